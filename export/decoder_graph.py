@@ -1,0 +1,84 @@
+"""Thin export wrapper: an HF Llama-family causal LM as a graph with plain tensor I/O.
+
+It reuses the HF model's own submodules (embeddings, projections, norms, MLP,
+rotary embedding) and rewrites only the attention glue, so past KV comes in as
+plain tensors, the tree mask is explicit, and only the new tokens' KV comes out.
+Nothing of transformers is forked or patched.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class DecoderGraph(torch.nn.Module):
+    """forward(input_ids, position_ids, tree_mask, *past) -> logits, hidden, *presents.
+
+    past and presents alternate key/value per layer, each [1, len, kv_heads, head_dim]
+    (sequence-major so the runtime can feed a prefix of its cache buffer without a copy).
+    `extra_feature_layers` adds a `features` output: the listed decoder layers'
+    output hidden states concatenated (EAGLE-3 drafts from three of them).
+    """
+
+    def __init__(self, causal_lm: torch.nn.Module, extra_feature_layers: tuple[int, ...] = ()):
+        super().__init__()
+        self.lm = causal_lm
+        cfg = causal_lm.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.extra_feature_layers = tuple(extra_feature_layers)
+
+    def _attention(self, layer, x, cos, sin, past_k, past_v, tree_mask):
+        attn = layer.self_attn
+        t = x.shape[1]
+        q = attn.q_proj(x).view(1, t, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalizes each head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        new_k = k.transpose(1, 2)  # back to [1, T, kv_heads, D]
+        keys = repeat_kv(torch.cat([past_k, new_k], 1).transpose(1, 2), self.num_heads // self.num_kv_heads)
+        vals = repeat_kv(torch.cat([past_v, v], 1).transpose(1, 2), self.num_heads // self.num_kv_heads)
+        scale = getattr(attn, "scaling", self.head_dim**-0.5)
+        scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale  # [1, H, T, P+T]
+        # All past is visible; among the new tokens the tree mask decides.
+        past_scores, new_scores = scores[..., :-t], scores[..., -t:]
+        new_scores = new_scores.masked_fill(~tree_mask[:, None], torch.finfo(torch.float32).min)
+        probs = torch.softmax(torch.cat([past_scores, new_scores], -1), dim=-1).to(vals.dtype)
+        out = torch.matmul(probs, vals).transpose(1, 2).reshape(1, t, self.num_heads * self.head_dim)
+        return attn.o_proj(out), new_k, v
+
+    def forward(self, input_ids, position_ids, tree_mask, *past):
+        body = self.lm.model
+        h = body.embed_tokens(input_ids)
+        cos, sin = body.rotary_emb(h, position_ids)
+        presents, features = [], []
+        for i, layer in enumerate(body.layers):
+            attn_out, new_k, new_v = self._attention(
+                layer, layer.input_layernorm(h), cos, sin, past[2 * i], past[2 * i + 1], tree_mask
+            )
+            h = h + attn_out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            presents += [new_k, new_v]
+            if i in self.extra_feature_layers:
+                features.append(h.float())
+        hidden = body.norm(h)
+        logits = self.lm.lm_head(hidden).float()
+        outs = [logits, hidden.float()]
+        if self.extra_feature_layers:
+            outs.append(torch.cat(features, -1))
+        return (*outs, *presents)
+
+
+def graph_io_names(num_layers: int, with_features: bool = False) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "position_ids", "tree_mask"]
+    outputs = ["logits", "hidden"] + (["features"] if with_features else [])
+    for i in range(num_layers):
+        inputs += [f"past_key.{i}", f"past_value.{i}"]
+        outputs += [f"present_key.{i}", f"present_value.{i}"]
+    return inputs, outputs

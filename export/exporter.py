@@ -1,0 +1,161 @@
+"""HF model directories -> static-shape ONNX graphs + manifest + reference outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..runtime.config import load_export_config
+from ..runtime.errors import SpecDeployError
+from ..runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
+from ..runtime.methods import VERIFY_TOKENS, validate_methods
+from .decoder_graph import DecoderGraph, graph_io_names
+from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
+from .onnx_writer import SharedWeights, export_module
+from .reference import decoder_feeds, run_torch, save_reference
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def model_spec(model) -> dict:
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    return {
+        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+    }
+
+
+def check_context(name: str, cfg: dict, max_context: int) -> None:
+    limit = cfg.get("max_position_embeddings")
+    if limit and max_context > limit:
+        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s max_position_embeddings {limit}")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window and max_context > window:
+        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s sliding window {window} (not supported)")
+
+
+def special_tokens(target_dir: Path, cfg: dict) -> dict:
+    eos = cfg.get("eos_token_id")
+    gen_path = Path(target_dir) / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+    return {"bos_token_id": cfg.get("bos_token_id"), "eos_token_ids": eos_ids, "pad_token_id": cfg.get("pad_token_id")}
+
+
+class DecoderExporter:
+    """Exports one model's decoder at several static token counts, weights shared."""
+
+    def __init__(self, name: str, model, out: Path, dtype: str, max_context: int, progress,
+                 feature_layers: tuple[int, ...] = ()):
+        self.name, self.out, self.progress = name, out, progress
+        self.spec = model_spec(model)
+        self.wrapper = DecoderGraph(model, feature_layers).eval()
+        self.dtype = DTYPES[dtype]
+        self.max_context = max_context
+        self.weights = SharedWeights(out, f"weights/{name}.bin")
+        self.inputs, self.outputs = graph_io_names(self.spec["num_layers"], bool(feature_layers))
+
+    def export(self, tokens: int) -> tuple[str, dict]:
+        graph = f"{self.name}_t{tokens}"
+        start = time.perf_counter()
+        sample_past = 3  # a non-trivial past so the tracer keeps its length dynamic
+        feeds = decoder_feeds(tokens, sample_past, self.spec, self.spec["vocab_size"], self.dtype, seed=tokens)
+        args = [torch.from_numpy(feeds[n]) for n in self.inputs]
+        dynamic = {n: {1: "past_len"} for n in self.inputs if n.startswith("past_")}
+        export_module(self.wrapper, args, self.out / f"{graph}.onnx", self.inputs, self.outputs, dynamic, self.weights)
+        ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), self.spec, self.spec["vocab_size"],
+                                  self.dtype, seed=1000 + tokens)
+        save_reference(self.out, graph, ref_feeds, run_torch(self.wrapper, ref_feeds, self.inputs, self.outputs))
+        self.progress(f"  exported {graph}.onnx (T={tokens}) in {time.perf_counter() - start:.1f}s")
+        return graph, {"file": f"{graph}.onnx", "model": self.name, "kind": "decoder", "tokens": tokens}
+
+
+def target_token_counts(cfg: dict, methods: dict) -> list[int]:
+    counts = {1, cfg["prefill_chunk"]}
+    for method, params in methods.items():
+        counts.add(VERIFY_TOKENS[method](params))
+    if max(counts) >= cfg["max_context"]:
+        raise SpecDeployError(f"a graph of {max(counts)} tokens does not fit max_context {cfg['max_context']}")
+    return sorted(counts)
+
+
+def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
+               config: Path | None = None, progress=print, extra_models=None) -> Path:
+    """The whole export; `extra_models(ctx)` hooks add head graphs (Medusa, EAGLE)."""
+    start = time.perf_counter()
+    cfg = load_export_config(config)
+    methods = dict(cfg["methods"])
+    if draft is None:
+        methods.pop("draft", None)
+    methods = validate_methods(methods)
+    torch.manual_seed(0)
+    out = Path(out)
+    target_cfg = read_hf_config(target)
+    check_context("target", target_cfg, cfg["max_context"])
+    draft_cfg = None
+    if draft is not None:
+        draft_cfg = read_hf_config(draft)
+        check_same_vocab(Path(target), Path(draft), target_cfg, draft_cfg)
+        check_context("draft", draft_cfg, cfg["max_context"])
+    if not (Path(target) / "tokenizer.json").is_file():
+        raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    graphs, models = {}, {}
+
+    progress(f"loading target from {target} ({dtype})")
+    target_model = load_causal_lm(Path(target), dtype)
+    exporter = DecoderExporter("target", target_model, out, dtype, cfg["max_context"], progress)
+    models["target"] = {**exporter.spec, "source": str(Path(target).resolve())}
+    for t in target_token_counts(cfg, methods):
+        name, entry = exporter.export(t)
+        graphs[name] = entry
+    if draft is not None:
+        progress(f"loading draft from {draft} ({dtype})")
+        draft_model = load_causal_lm(Path(draft), dtype)
+        dexp = DecoderExporter("draft", draft_model, out, dtype, cfg["max_context"], progress)
+        models["draft"] = {**dexp.spec, "source": str(Path(draft).resolve())}
+        for t in sorted({1, cfg["prefill_chunk"]}):
+            name, entry = dexp.export(t)
+            graphs[name] = entry
+    if extra_models is not None:
+        extra_models({"out": out, "target_model": target_model, "graphs": graphs, "models": models,
+                      "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress})
+
+    tok_dir = out / "tokenizer"
+    tok_dir.mkdir()
+    for fname in TOKENIZER_FILES:
+        if (Path(target) / fname).is_file():
+            shutil.copy(Path(target) / fname, tok_dir / fname)
+    files = {}
+    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.parent.name != "check"):
+        files[str(path.relative_to(out))] = sha256_file(path)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "dtype": dtype,
+        "max_context": cfg["max_context"],
+        "prefill_chunk": cfg["prefill_chunk"],
+        "models": models,
+        "graphs": graphs,
+        "tokenizer": {"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
+        "methods": methods,
+        "files": files,
+        "exported_in_s": round(time.perf_counter() - start, 1),
+    }
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+    progress(f"wrote {out / MANIFEST_NAME}: {len(graphs)} graphs in {manifest['exported_in_s']}s")
+    return out

@@ -1,0 +1,72 @@
+"""Graph sessions. ONNX Runtime here; TensorRT lives in runtime/trt_backend.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SpecDeployError
+
+ORT_PROVIDERS = {
+    "ort-cpu": ["CPUExecutionProvider"],
+    "ort-cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "ort-trt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def available_backends() -> list[str]:
+    import onnxruntime as ort
+
+    have = set(ort.get_available_providers())
+    out = [name for name, prov in ORT_PROVIDERS.items() if prov[0] in have]
+    try:
+        from . import trt_backend
+
+        if trt_backend.is_available():
+            out.append("trt")
+    except ImportError:
+        pass
+    return out
+
+
+def best_backend() -> str:
+    have = available_backends()
+    for name in ("trt", "ort-trt", "ort-cuda", "ort-cpu"):
+        if name in have:
+            return name
+    raise SpecDeployError("no usable backend: onnxruntime has no CPU provider?")
+
+
+def check_backend(name: str | None) -> str:
+    if name in (None, "auto"):
+        return best_backend()
+    known = list(ORT_PROVIDERS) + ["trt"]
+    if name not in known:
+        raise SpecDeployError(f"unknown backend {name!r} (choose from {', '.join(known)})")
+    have = available_backends()
+    if name not in have:
+        raise SpecDeployError(f"backend {name!r} is not available here (available: {', '.join(have) or 'none'})")
+    return name
+
+
+class OrtGraph:
+    """One ONNX graph in one ORT session; inputs wrap numpy memory without copying."""
+
+    def __init__(self, path: Path, backend: str = "ort-cpu", threads: int | None = None):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=ORT_PROVIDERS[backend])
+        except Exception as exc:  # corrupt or truncated graph / external data
+            raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.input_names = {i.name for i in self.session.get_inputs()}
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))

@@ -1,0 +1,91 @@
+"""One model (target or draft): its static-T decoder graphs plus its KV cache."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backends import OrtGraph
+from .errors import SpecDeployError
+from .kv_cache import KVCache
+from .manifest import Manifest
+
+
+@dataclass
+class StepOutput:
+    logits: np.ndarray  # [n, vocab] float32, real (unpadded) tokens only
+    hidden: np.ndarray  # [n, hidden] float32
+    presents: list[np.ndarray]  # per layer key, value: [1, T, kv_heads, head_dim]
+    features: np.ndarray | None = None
+
+
+class Decoder:
+    def __init__(self, manifest: Manifest, model: str, backend: str = "ort-cpu", threads: int | None = None):
+        self.spec = manifest.models[model]
+        self.max_context = manifest.max_context
+        graphs = manifest.decoder_graphs(model)
+        if not graphs:
+            raise SpecDeployError(f"export has no decoder graphs for model '{model}'")
+        self.graphs = {t: OrtGraph(manifest.graph_path(g), backend, threads) for t, g in sorted(graphs.items())}
+        self.sizes = sorted(self.graphs)
+        self.cache = KVCache(self.spec, manifest.max_context, manifest.dtype)
+        self.calls = 0
+        self.seconds = 0.0
+
+    def graph_for(self, n: int) -> int:
+        """The smallest static token count that holds n tokens."""
+        i = bisect.bisect_left(self.sizes, n)
+        if i == len(self.sizes):
+            raise SpecDeployError(f"no graph holds {n} tokens (exported sizes: {self.sizes})")
+        return self.sizes[i]
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> StepOutput:
+        """Score n new tokens after the cached past; nothing is committed yet.
+
+        `mask` is [n, n] (row sees column); the call is padded to the graph's static T.
+        """
+        n = len(tokens)
+        t = self.graph_for(n)
+        if self.cache.length + t > self.max_context:
+            raise SpecDeployError(
+                f"context full: {self.cache.length} cached + {t} new tokens exceed max_context {self.max_context}"
+            )
+        ids = np.zeros((1, t), np.int64)
+        ids[0, :n] = tokens
+        pos = np.empty((1, t), np.int64)
+        pos[0, :n] = positions
+        pos[0, n:] = positions[-1] if n else self.cache.length
+        full = np.eye(t, dtype=bool)
+        full[:n, :n] = mask
+        feeds = {"input_ids": ids, "position_ids": pos, "tree_mask": full[None]}
+        for layer in range(self.spec.num_layers):
+            feeds[f"past_key.{layer}"], feeds[f"past_value.{layer}"] = self.cache.past(layer)
+        start = time.perf_counter()
+        out = self.graphs[t].run(feeds)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        presents = [out[f"present_{kind}.{layer}"] for layer in range(self.spec.num_layers) for kind in ("key", "value")]
+        feats = out.get("features")
+        return StepOutput(out["logits"][0, :n], out["hidden"][0, :n], presents,
+                          None if feats is None else feats[0, :n])
+
+    def commit(self, step: StepOutput, rows) -> None:
+        self.cache.commit(step.presents, rows)
+
+    def prefill(self, tokens: list[int] | np.ndarray, chunk: int) -> StepOutput | None:
+        """Process and commit tokens causally in chunks of the prefill graph's size."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        last = None
+        for s in range(0, len(tokens), chunk):
+            piece = tokens[s : s + chunk]
+            start = self.cache.length
+            n = len(piece)
+            last = self.forward(piece, np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)))
+            self.commit(last, slice(0, n))
+        return last
+
+    def reset(self) -> None:
+        self.cache.length = 0

@@ -1,0 +1,65 @@
+"""A separate small model drafts k tokens autoregressively (its own graphs and KV cache)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import positive_int
+from ..decoder import Decoder
+from ..sampling import sample
+from ..tree import Tree
+from .base import DecodeState, Drafter, Proposal
+
+
+def validate(params: dict) -> dict:
+    return {"k": positive_int(params.get("k", 4), "draft.k")}
+
+
+def verify_tokens(params: dict) -> int:
+    return validate(params)["k"] + 1
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+    deterministic = False
+
+    def __init__(self, decoder: Decoder, k: int, prefill_chunk: int):
+        self.decoder, self.k, self.chunk = decoder, k, prefill_chunk
+
+    def start(self, state: DecodeState) -> None:
+        self.decoder.reset()
+
+    def _pick(self, logits: np.ndarray, state: DecodeState, probs: list) -> int:
+        if state.params.greedy:
+            return int(np.argmax(logits))
+        q = state.params.probs(logits)
+        probs.append(q)
+        return sample(q, state.rng)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        # Invariant: the draft cache holds committed tokens; feed whatever it lacks
+        # (the root, plus the last draft token when every draft was accepted).
+        cache = self.decoder.cache
+        pending = state.tokens[cache.length :]
+        room = cache.max_context - cache.length - len(pending)
+        k = min(self.k, room)
+        if k <= 0:
+            return Proposal.root_only(state.tokens[-1])
+        out = self.decoder.prefill(pending, self.chunk)
+        drafts, probs = [], [None]
+        drafts.append(self._pick(out.logits[-1], state, probs))
+        for _ in range(k - 1):
+            pos = cache.length
+            out = self.decoder.forward(np.array(drafts[-1:]), np.array([pos]), np.ones((1, 1), bool))
+            self.decoder.commit(out, slice(0, 1))
+            drafts.append(self._pick(out.logits[-1], state, probs))
+        tokens = np.array([state.tokens[-1], *drafts], dtype=np.int64)
+        draft_probs = None
+        if not state.params.greedy:
+            draft_probs = np.zeros((k + 1, len(probs[1])))
+            draft_probs[1:] = probs[1:]
+        return Proposal(Tree.chain(k), tokens, draft_probs)
+
+    def update(self, state, proposal, verdict, target_out) -> None:
+        # Everything but the new root is committed; rejected drafts are simply forgotten.
+        self.decoder.cache.truncate(len(state.tokens) - 1)

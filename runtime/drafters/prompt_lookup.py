@@ -1,0 +1,50 @@
+"""Prompt lookup: copy the tokens that followed the latest earlier match of the suffix n-gram."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import positive_int
+from ..errors import SpecDeployError
+from ..tree import Tree
+from .base import DecodeState, Drafter, Proposal
+
+
+def validate(params: dict) -> dict:
+    k = positive_int(params.get("k", 4), "prompt-lookup.k")
+    max_n = positive_int(params.get("max_ngram", 3), "prompt-lookup.max_ngram")
+    min_n = positive_int(params.get("min_ngram", 1), "prompt-lookup.min_ngram")
+    if min_n > max_n:
+        raise SpecDeployError(f"config: prompt-lookup.min_ngram ({min_n}) exceeds max_ngram ({max_n})")
+    return {"k": k, "max_ngram": max_n, "min_ngram": min_n}
+
+
+def verify_tokens(params: dict) -> int:
+    return validate(params)["k"] + 1
+
+
+def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
+    """Up to k tokens that followed the most recent earlier occurrence of the
+    longest suffix n-gram (longest n first). Empty when nothing matches."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = tokens[length - n :]
+        # candidate starts: positions whose n tokens equal the suffix, excluding the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k]
+    return tokens[:0]
+
+
+class PromptLookupDrafter(Drafter):
+    name = "prompt-lookup"
+
+    def __init__(self, k: int, max_ngram: int, min_ngram: int):
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+
+    def propose(self, state: DecodeState) -> Proposal:
+        tokens = np.asarray(state.tokens, dtype=np.int64)
+        cont = find_continuation(tokens, self.k, self.max_ngram, self.min_ngram)
+        return Proposal(Tree.chain(len(cont)), np.concatenate([tokens[-1:], cont]))

@@ -1,0 +1,53 @@
+"""A loaded export directory: manifest, tokenizer and lazily opened decoders.
+
+One instance serves one request at a time (its KV caches are per instance);
+runtime/pool.py hands out instances to concurrent requests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .backends import check_backend
+from .decoder import Decoder
+from .errors import SpecDeployError
+from .manifest import load_manifest
+from .methods import check_method, validate_methods
+from .tokenizer import TextTokenizer
+
+
+class Export:
+    def __init__(self, path: str | Path, backend: str | None = None, threads: int | None = None,
+                 verify_checksums: bool = True):
+        self.manifest = load_manifest(path, verify_checksums=verify_checksums)
+        self.backend = check_backend(backend)
+        self.threads = threads
+        self.tokenizer = TextTokenizer(self.manifest.root / self.manifest.tokenizer.get("dir", "tokenizer"))
+        self.methods = validate_methods(self.manifest.methods)
+        self.prefill_chunk = int(self.manifest.raw.get("prefill_chunk", 16))
+        self._decoders: dict[str, Decoder] = {}
+        target = self.manifest.models.get("target")
+        if target is None:
+            raise SpecDeployError("manifest has no target model")
+        if self.tokenizer.vocab_size > target.vocab_size:
+            raise SpecDeployError(
+                f"vocabulary mismatch: tokenizer has {self.tokenizer.vocab_size} tokens, target vocab is {target.vocab_size}"
+            )
+
+    def decoder(self, model: str) -> Decoder:
+        if model not in self._decoders:
+            self._decoders[model] = Decoder(self.manifest, model, self.backend, self.threads)
+        return self._decoders[model]
+
+    def method_params(self, method: str, overrides: dict | None = None) -> dict:
+        check_method(method)
+        if method not in self.methods:
+            raise SpecDeployError(f"method {method!r} was not exported (exported: {', '.join(self.methods)})")
+        params = dict(self.methods[method])
+        if overrides:
+            params.update(overrides)
+        return validate_methods({method: params})[method]
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.manifest.eos_token_ids)

@@ -1,0 +1,178 @@
+"""The verify loop every method shares: draft -> verify -> accept -> update.
+
+Streaming: `Generation` is an iterator of `TokenEvent`s; `.result()` drains it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .drafters.base import DecodeState, Proposal
+from .errors import SpecDeployError
+from .export_dir import Export
+from .methods import build_drafter
+from .sampling import SamplingParams
+from .verify import verify
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # text delta made safe to show (held back while it may be a stop-string prefix)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (eos or stop string), "length", "cancelled"
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, "stats": self.stats}
+
+
+def validate_request(export: Export, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SpecDeployError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not prompt_ids:
+        raise SpecDeployError("the prompt is empty")
+    vocab = export.manifest.models["target"].vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise SpecDeployError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+    if len(prompt_ids) >= export.manifest.max_context:
+        raise SpecDeployError(
+            f"prompt is {len(prompt_ids)} tokens; the export's max context is {export.manifest.max_context} "
+            "(it must leave room for at least one new token)"
+        )
+
+
+class Generation:
+    """One request. Iterate for streamed tokens; call cancel() from any thread to stop it."""
+
+    def __init__(self, export: Export, prompt_ids: list[int], method: str = "ar", params: SamplingParams | None = None,
+                 max_new_tokens: int = 64, stop: list[str] | None = None, ignore_eos: bool = False,
+                 method_overrides: dict | None = None):
+        self.params = params or SamplingParams()
+        validate_request(export, list(prompt_ids), max_new_tokens)
+        self.export, self.method, self.max_new = export, method, max_new_tokens
+        self.drafter = build_drafter(method, export, export.method_params(method, method_overrides))
+        self.target = export.decoder("target")
+        self.stop = [s for s in (stop or []) if s]
+        self.eos = set() if ignore_eos else export.eos_token_ids
+        self.state = DecodeState(list(prompt_ids), self.params, np.random.default_rng(self.params.seed))
+        self.prompt_len = len(prompt_ids)
+        self.new_ids: list[int] = []
+        self.text, self._shown = "", 0
+        self.finish_reason: str | None = None
+        self._cancelled = False
+        self.stats = {"method": method, "new_tokens": 0, "target_calls": 0, "prefill_calls": 0,
+                      "accepted_drafts": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "host_s": 0.0}
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    # -- the loop -----------------------------------------------------------------
+    def __iter__(self):
+        t0 = time.perf_counter()
+        target, drafter, state = self.target, self.drafter, self.state
+        target.reset()
+        calls0, verify0 = target.calls, target.seconds
+        target.prefill(state.tokens[:-1], self.export.prefill_chunk)
+        self.stats["prefill_calls"] = target.calls - calls0
+        self.stats["prefill_s"] = target.seconds - verify0
+        drafter.start(state)
+        kv0 = target.cache.bytes_copied
+        while self.finish_reason is None:
+            if self._cancelled:
+                self.finish_reason = "cancelled"
+                break
+            td = time.perf_counter()
+            proposal = drafter.propose(state)
+            self.stats["draft_s"] += time.perf_counter() - td
+            room = target.max_context - target.cache.length
+            if room < 1:
+                self.finish_reason = "length"
+                break
+            if proposal.tree.size > 1 and target.graph_for(proposal.tree.size) > room:
+                proposal = Proposal.root_only(state.tokens[-1])  # near the context end: plain decode
+            tv = time.perf_counter()
+            tree = proposal.tree
+            positions = target.cache.length + tree.depth
+            out = target.forward(proposal.tokens, positions, tree.mask)
+            self.stats["verify_s"] += time.perf_counter() - tv
+            self.stats["target_calls"] += 1
+            verdict = verify(tree, proposal.tokens, out.logits, self.params, state.rng, proposal.draft_probs)
+            target.commit(out, verdict.path)
+            accepted = [int(proposal.tokens[i]) for i in verdict.path[1:]] + [verdict.next_token]
+            self.stats["accepted_drafts"] += verdict.accepted_drafts
+            state.tokens.extend(accepted)
+            drafter.update(state, proposal, verdict, out)
+            for tok in accepted:
+                event = self._emit(tok)
+                if event is not None:
+                    yield event
+                if self.finish_reason is not None:
+                    break
+            if len(state.tokens) >= target.max_context and self.finish_reason is None:
+                self.finish_reason = "length"
+        tail = self._flush()
+        if tail is not None:
+            yield tail
+        self.stats["kv_bytes_copied"] = target.cache.bytes_copied - kv0
+        self._finish_stats(time.perf_counter() - t0)
+
+    def _emit(self, tok: int) -> TokenEvent | None:
+        self.new_ids.append(tok)
+        if tok in self.eos:
+            self.finish_reason = "stop"
+            return TokenEvent(tok, "")
+        self.text = self.export.tokenizer.decode(self.new_ids)
+        if self.stop:
+            hits = [i for i in (self.text.find(s, max(0, self._shown - len(s))) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.new_ids) >= self.max_new:
+            self.finish_reason = "length"
+        return TokenEvent(tok, self._delta(final=self.finish_reason is not None))
+
+    def _delta(self, final: bool) -> str:
+        safe = len(self.text)
+        if not final:
+            if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
+                safe -= 1
+            if self.stop:  # hold back what could still become a stop string
+                safe = max(self._shown, safe - (max(len(s) for s in self.stop) - 1))
+        delta = self.text[self._shown : safe]
+        self._shown = max(self._shown, safe)
+        return delta
+
+    def _flush(self) -> TokenEvent | None:
+        if self._shown < len(self.text):
+            return TokenEvent(-1, self._delta(final=True))
+        return None
+
+    def _finish_stats(self, seconds: float) -> None:
+        s = self.stats
+        s["new_tokens"] = len(self.new_ids)
+        s["prompt_tokens"] = self.prompt_len
+        s["seconds"] = seconds
+        s["tokens_per_s"] = s["new_tokens"] / seconds if seconds > 0 else 0.0
+        s["acceptance_length"] = s["new_tokens"] / s["target_calls"] if s["target_calls"] else 0.0
+        s["host_s"] = max(0.0, seconds - s["draft_s"] - s["verify_s"] - s["prefill_s"])
+        s["kv_bytes_per_step"] = s["kv_bytes_copied"] / s["target_calls"] if s["target_calls"] else 0.0
+        s["finish_reason"] = self.finish_reason
+
+    def result(self) -> GenerationResult:
+        for _ in self:
+            pass
+        return GenerationResult(self.text, list(self.new_ids), self.finish_reason or "length", dict(self.stats))
+
+
+def generate(export: Export, prompt_ids: list[int], **kwargs) -> GenerationResult:
+    return Generation(export, prompt_ids, **kwargs).result()

@@ -1,0 +1,113 @@
+"""The one draft-tree representation shared by every method.
+
+Node 0 is the root: the last committed token, not yet in the target's KV cache.
+Nodes 1..n are candidates; `parents[i] < i`. A chain (draft model, prompt lookup)
+is a tree whose parents are 0, 1, 2, ...  Built once per static tree (Medusa,
+EAGLE-1) from the published list-of-paths format, or per step for dynamic trees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from .errors import SpecDeployError
+
+
+@dataclass(frozen=True)
+class Tree:
+    parents: tuple[int, ...]  # parents[0] == -1
+    ranks: tuple[int, ...] = field(default=())  # top-k rank of each node under its parent (static trees)
+
+    def __post_init__(self):
+        if not self.parents or self.parents[0] != -1:
+            raise SpecDeployError("tree: node 0 must be the root (parent -1)")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise SpecDeployError(f"tree: node {i} has parent {p}; parents must precede their children")
+
+    @property
+    def size(self) -> int:
+        """Nodes including the root: the token count of the verify call."""
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> np.ndarray:
+        d = np.zeros(self.size, dtype=np.int64)
+        for i in range(1, self.size):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for i in range(1, self.size):
+            kids[self.parents[i]].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def mask(self) -> np.ndarray:
+        """[size, size] bool: row i sees its ancestors and itself."""
+        m = np.zeros((self.size, self.size), dtype=bool)
+        for i in range(self.size):
+            m[i, i] = True
+            if i:
+                m[i] |= m[self.parents[i]]
+        return m
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node != -1:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    @cached_property
+    def leaf_paths(self) -> list[list[int]]:
+        """Retrieve indices: one root-to-leaf path of node ids per leaf."""
+        return [self.path_to(i) for i in range(self.size) if not self.children[i]]
+
+    @staticmethod
+    def chain(n: int) -> "Tree":
+        return Tree(parents=tuple(range(-1, n)), ranks=(0,) * (n + 1))
+
+    @staticmethod
+    def from_paths(paths: list[list[int]], max_rank: int | None = None) -> "Tree":
+        """Medusa's `medusa_choices` format: each path lists top-k ranks per depth.
+
+        Validated: every path's prefix is also a path (prefix-closed), ranks are
+        non-negative (and < max_rank when given), no duplicates.
+        """
+        if not isinstance(paths, list) or not paths:
+            raise SpecDeployError("tree: expected a non-empty list of paths (lists of top-k ranks)")
+        seen: set[tuple[int, ...]] = set()
+        for path in paths:
+            if not isinstance(path, (list, tuple)) or not path or not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+                raise SpecDeployError(f"tree: path {path!r} is not a non-empty list of integer ranks")
+            if any(r < 0 or (max_rank is not None and r >= max_rank) for r in path):
+                raise SpecDeployError(f"tree: path {list(path)} has a rank outside [0, {max_rank})")
+            if tuple(path) in seen:
+                raise SpecDeployError(f"tree: path {list(path)} is listed twice")
+            seen.add(tuple(path))
+        for path in seen:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise SpecDeployError(f"tree: path {list(path)} has no parent path {list(path[:-1])} (not prefix-closed)")
+        # Breadth-first, then by ranks: parents always precede children.
+        ordered = sorted(seen, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parents, ranks = [-1], [0]
+        for path in ordered:
+            index[path] = len(parents)
+            parents.append(index[path[:-1]])
+            ranks.append(path[-1])
+        return Tree(parents=tuple(parents), ranks=tuple(ranks))
+
+    def padded_mask(self, total: int) -> np.ndarray:
+        """Mask for a static graph of `total` tokens; padding rows see only themselves."""
+        if total < self.size:
+            raise SpecDeployError(f"tree of {self.size} tokens does not fit a graph of {total} tokens")
+        m = np.eye(total, dtype=bool)
+        m[: self.size, : self.size] = self.mask
+        return m

@@ -1,0 +1,87 @@
+"""The one verification module: accept a path of a draft tree, losslessly.
+
+Greedy: follow children whose token is the target's argmax; the bonus token is
+the argmax at the last accepted node. Token-identical to plain greedy decoding.
+
+Sampling (recursive rejection sampling over siblings), so the emitted tokens are
+distributed exactly as the target's own sampling distribution:
+- sampled drafts (a child drawn from a draft distribution q): accept x with
+  min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)).
+- deterministic drafts (top-k heads, n-grams, lookahead: q is a point mass):
+  accept x with p(x); on rejection p(x) <- 0 and renormalize.
+When every child is rejected, or the node is a leaf, the next token is drawn
+from the current (residual) p: the bonus token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import SamplingParams, sample
+from .tree import Tree
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted node ids, starting with the root (0)
+    next_token: int  # bonus / corrected token: the next root
+
+    @property
+    def accepted_drafts(self) -> int:
+        return len(self.path) - 1
+
+
+def verify_greedy(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> Verdict:
+    node, path = 0, [0]
+    while True:
+        best = int(np.argmax(logits[node]))
+        nxt = next((c for c in tree.children[node] if tokens[c] == best), None)
+        if nxt is None:
+            return Verdict(path, best)
+        node = nxt
+        path.append(node)
+
+
+def verify_sampling(
+    tree: Tree,
+    tokens: np.ndarray,
+    logits: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    draft_probs: np.ndarray | None = None,
+) -> Verdict:
+    """`draft_probs[c]` is the distribution child c's token was drawn from (None: deterministic drafts)."""
+    node, path = 0, [0]
+    while True:
+        p = params.probs(logits[node])
+        advanced = False
+        for child in tree.children[node]:
+            x = int(tokens[child])
+            if draft_probs is None:
+                accept = rng.random() < p[x]
+            else:
+                q = draft_probs[child]
+                accept = q[x] > 0 and rng.random() < min(1.0, p[x] / q[x])
+            if accept:
+                node, advanced = child, True
+                path.append(node)
+                break
+            if draft_probs is None:
+                p[x] = 0.0
+            else:
+                p = np.maximum(p - draft_probs[child], 0.0)
+            total = p.sum()
+            if total <= 0:  # p was covered by q exactly; cannot happen with a real rejection
+                p = params.probs(logits[node])
+                break
+            p /= total
+        if not advanced:
+            return Verdict(path, sample(p, rng))
+
+
+def verify(tree, tokens, logits, params: SamplingParams, rng, draft_probs=None) -> Verdict:
+    if params.greedy:
+        return verify_greedy(tree, tokens, logits)
+    return verify_sampling(tree, tokens, logits, params, rng, draft_probs)
