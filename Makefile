@@ -1,19 +1,55 @@
+# specdeploy: everything a fresh machine needs is here.
+#   make export   set up, build the embedded model family (cached), export, check, demo
+#   make test     set up and run the test suite
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
+SPEC := $(VENV)/bin/specdeploy
 BUILD := build
+FAMILY := $(BUILD)/family/default
 EXPORT_DIR := $(BUILD)/export/default
+DEMO_PROMPT := def parse_args(argv=None):\n    parser = argparse.ArgumentParser(
 
-.PHONY: setup export test check bench peers clean family family-micro
+.PHONY: setup family heads export engines check demo test bench peers clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
+	# torch from the local wheel when present (the CPU build), else any in range
 	$(VPY) -m pip install -q "torch==2.13.0" || $(VPY) -m pip install -q "torch>=2.4,<2.15"
 	$(VPY) -m pip install -q -e ".[export,serve,bench,test]"
 	touch $@
 
 setup: $(VENV)/.stamp
 
+# The embedded default family: tokenizer, target, draft (cached by preset hash).
+family: setup
+	$(VPY) -m specdeploy.export.family --preset default --out $(FAMILY)
+
+heads: family
+
+$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json configs/default.yaml
+	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --out $(EXPORT_DIR)
+
+export: heads
+	@$(MAKE) --no-print-directory $(EXPORT_DIR)/manifest.json
+	@$(MAKE) --no-print-directory engines check demo
+
+engines: setup
+	$(SPEC) engines $(EXPORT_DIR)
+
+check: setup
+	$(SPEC) check $(EXPORT_DIR)
+
+demo: setup
+	@for m in $$($(VPY) -c "import json; print(' '.join(json.load(open('$(EXPORT_DIR)/manifest.json'))['methods']))"); do \
+	  printf '%-14s ' "$$m"; \
+	  $(SPEC) generate $(EXPORT_DIR) --method $$m --prompt "$$(printf '$(DEMO_PROMPT)')" --max-new-tokens 64 --ignore-eos --json \
+	    | tail -n 1 | $(VPY) -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"acceptance length {s['acceptance_length']:.2f}  {s['tokens_per_s']:.1f} tokens/s\")"; \
+	done
+
 test: setup
 	$(VPY) -m pytest -q tests
+
+clean:
+	rm -rf $(BUILD)

@@ -41,7 +41,7 @@ def load_causal_lm(model_dir: Path, dtype: str = "float32"):
     if not any(Path(model_dir).glob("*.safetensors")) and not any(Path(model_dir).glob("*.bin")):
         raise SpecDeployError(f"{model_dir} holds no weights (*.safetensors or *.bin)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=DTYPES[dtype], attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation="eager")
     except Exception as exc:  # corrupt weights, shape mismatches, unreadable files
         raise SpecDeployError(f"could not load model from {model_dir}: {type(exc).__name__}: {exc}") from None
     return model.eval()

@@ -1,0 +1,86 @@
+"""Shared fixtures: the micro family (built once, cached in build/) and its exports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = REPO / "build"
+SPECDEPLOY = [sys.executable, "-m", "specdeploy.cli"]
+
+
+def run_cli(*args, timeout=300, env=None) -> subprocess.CompletedProcess:
+    """Run the real `specdeploy` command line; returns the finished process."""
+    return subprocess.run([*SPECDEPLOY, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def micro_family() -> Path:
+    from specdeploy.export.family import build_family
+
+    out = BUILD / "family" / "micro"
+    build_family("micro", out, progress=lambda msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def micro_export(micro_family) -> Path:
+    """Target + draft of the micro family, exported with the default config."""
+    from specdeploy.export.exporter import export_all
+
+    out = BUILD / "test_exports" / "micro"
+    export_all(micro_family / "target", out, draft=micro_family / "draft", progress=lambda msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def random_models(micro_family) -> dict[str, tuple[Path, Path]]:
+    """Per architecture: (target, draft) random-init models sharing the micro tokenizer."""
+    from specdeploy.export.family import make_random_model
+
+    root = BUILD / "test_models"
+    tok = micro_family / "tokenizer"
+    return {
+        arch: (make_random_model(arch, root / f"{arch}_target", tok, seed=1),
+               make_random_model(arch, root / f"{arch}_draft", tok, seed=2))
+        for arch in ("qwen3", "qwen2", "mistral")
+    }
+
+
+@pytest.fixture(scope="session")
+def arch_exports(random_models) -> dict[str, Path]:
+    from specdeploy.export.exporter import export_all
+
+    out = {}
+    for arch, (target, draft) in random_models.items():
+        out[arch] = export_all(target, BUILD / "test_exports" / arch, draft=draft, progress=lambda msg: None)
+    return out
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain Hugging Face greedy decoding, EOS ignored: the reference every method must equal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(str(model_dir))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+_HF_CACHE: dict = {}
+
+
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    if path not in _HF_CACHE:
+        _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    return _HF_CACHE[path]

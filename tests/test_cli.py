@@ -1,0 +1,68 @@
+"""The command line end to end: export, check, generate --json."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+
+def test_generate_json_last_line(micro_export):
+    proc = run_cli("generate", micro_export, "--method", "draft", "--prompt", "def f(x):", "--max-new-tokens", "12",
+                   "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["token_ids"]) == 12
+    for key in ("new_tokens", "target_calls", "acceptance_length", "tokens_per_s"):
+        assert key in result["stats"]
+    assert result["stats"]["new_tokens"] == 12
+    assert result["stats"]["acceptance_length"] == 12 / result["stats"]["target_calls"]
+
+
+def test_generate_prompt_ids_equals_prompt_text(micro_export):
+    from specdeploy.runtime.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(micro_export / "tokenizer")
+    ids = ",".join(map(str, tok.encode("import os\n")))
+    a = run_cli("generate", micro_export, "--prompt", "import os\n", "--max-new-tokens", "8", "--json")
+    b = run_cli("generate", micro_export, "--prompt-ids", ids, "--max-new-tokens", "8", "--json")
+    assert json.loads(a.stdout.splitlines()[-1])["token_ids"] == json.loads(b.stdout.splitlines()[-1])["token_ids"]
+
+
+def test_streaming_text_to_stdout(micro_export):
+    proc = run_cli("generate", micro_export, "--prompt", "def f(x):", "--max-new-tokens", "10", "--ignore-eos")
+    assert proc.returncode == 0
+    ref = run_cli("generate", micro_export, "--prompt", "def f(x):", "--max-new-tokens", "10", "--ignore-eos", "--json")
+    assert proc.stdout.rstrip("\n") == json.loads(ref.stdout.splitlines()[-1])["text"].rstrip("\n")
+    assert "acceptance length" in proc.stderr
+
+
+def test_check_export_dir_and_single_graph(micro_export):
+    proc = run_cli("check", micro_export)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS") >= 5
+    single = run_cli("check", micro_export / "draft_t1.onnx")
+    assert single.returncode == 0 and "draft_t1" in single.stdout
+
+
+def test_fp16_export_checks_and_generates(micro_family, tmp_path):
+    out = tmp_path / "fp16"
+    proc = run_cli("export", "--target", micro_family / "target", "--draft", micro_family / "draft", "--out", out,
+                   "--dtype", "float16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "float16"
+    gen = run_cli("generate", out, "--method", "draft", "--prompt", "def f(x):", "--max-new-tokens", "8", "--json")
+    assert gen.returncode == 0, gen.stderr
+    assert len(json.loads(gen.stdout.splitlines()[-1])["token_ids"]) >= 1
+
+
+def test_manifest_records_shapes_vocab_and_checksums(micro_export):
+    manifest = json.loads((micro_export / "manifest.json").read_text())
+    assert manifest["max_context"] >= 256
+    assert {g["tokens"] for g in manifest["graphs"].values() if g["model"] == "target"} >= {1, 5, 16}
+    assert manifest["models"]["target"]["vocab_size"] == manifest["models"]["draft"]["vocab_size"]
+    assert manifest["tokenizer"]["eos_token_ids"]
+    assert all(len(d) == 64 for d in manifest["files"].values())
+    weights = [f for f in manifest["files"] if f.startswith("weights/")]
+    assert sorted(weights) == ["weights/draft.bin", "weights/target.bin"]

@@ -1,0 +1,174 @@
+"""Bad inputs: one clear `error:` line naming the problem, non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import BUILD, run_cli
+
+
+def assert_clean_error(proc, *needles):
+    assert proc.returncode != 0, proc.stdout
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    last = err.splitlines()[-1]
+    assert last.startswith("error:"), err
+    for needle in needles:
+        assert needle in last, (needle, last)
+
+
+@pytest.fixture()
+def broken_copy(micro_export, tmp_path):
+    dst = tmp_path / "export"
+    shutil.copytree(micro_export, dst)
+    return dst
+
+
+def gen(export, *extra):
+    return run_cli("generate", export, "--prompt", "def f():", "--max-new-tokens", "4", *extra)
+
+
+def test_missing_graph_file(broken_copy):
+    (broken_copy / "target_t1.onnx").unlink()
+    assert_clean_error(gen(broken_copy), "missing", "target_t1.onnx")
+
+
+def test_corrupt_graph_file_fails_checksum(broken_copy):
+    (broken_copy / "target_t1.onnx").write_bytes(b"not an onnx graph")
+    assert_clean_error(gen(broken_copy), "checksum mismatch", "target_t1.onnx")
+
+
+def test_corrupt_graph_file_with_updated_checksum(broken_copy):
+    """Even when the manifest was 'fixed' to match, a corrupt graph gives a clear load error."""
+    from specdeploy.runtime.manifest import sha256_file
+
+    graph = broken_copy / "target_t1.onnx"
+    graph.write_bytes(b"\x08\x07garbage")
+    manifest = json.loads((broken_copy / "manifest.json").read_text())
+    manifest["files"]["target_t1.onnx"] = sha256_file(graph)
+    (broken_copy / "manifest.json").write_text(json.dumps(manifest))
+    assert_clean_error(gen(broken_copy), "could not load graph", "target_t1.onnx")
+
+
+def test_corrupt_manifest(broken_copy):
+    (broken_copy / "manifest.json").write_text("{ nope")
+    assert_clean_error(gen(broken_copy), "not valid JSON")
+
+
+def test_missing_export_dir(tmp_path):
+    assert_clean_error(gen(tmp_path / "nowhere"), "not found")
+
+
+def test_weights_checksum_mismatch(broken_copy):
+    weights = broken_copy / "weights" / "target.bin"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert_clean_error(gen(broken_copy), "checksum mismatch", "target.bin")
+
+
+def test_vocab_mismatch_between_draft_and_target(micro_family, tmp_path):
+    from specdeploy.export.family import make_random_model
+
+    other_tok = tmp_path / "tok"
+    shutil.copytree(micro_family / "tokenizer", other_tok)
+    vocab_file = other_tok / "tokenizer.json"
+    tok = json.loads(vocab_file.read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    vocab_file.write_text(json.dumps(tok))
+    draft = make_random_model("llama", tmp_path / "draft", other_tok)
+    proc = run_cli("export", "--target", micro_family / "target", "--draft", draft, "--out", tmp_path / "out")
+    assert_clean_error(proc, "vocabulary mismatch")
+
+
+def test_vocab_size_mismatch(micro_family, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(micro_family / "draft", draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["vocab_size"] += 8
+    (draft / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli("export", "--target", micro_family / "target", "--draft", draft, "--out", tmp_path / "out")
+    assert_clean_error(proc, "vocabulary mismatch", "vocab_size")
+
+
+def test_corrupt_weights_at_export(micro_family, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(micro_family / "target", target)
+    (target / "model.safetensors").write_bytes(b"\x00" * 64)
+    proc = run_cli("export", "--target", target, "--out", tmp_path / "out")
+    assert_clean_error(proc, "could not load model")
+
+
+def test_not_a_model_dir(tmp_path):
+    proc = run_cli("export", "--target", tmp_path, "--out", tmp_path / "out")
+    assert_clean_error(proc, "config.json")
+
+
+def test_unsupported_architecture(micro_family, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(micro_family / "target", target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (target / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(run_cli("export", "--target", target, "--out", tmp_path / "o"), "not supported", "gpt2")
+
+
+def test_bad_export_config(micro_family, tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("methods:\n  draft:\n    k: 0\n")
+    proc = run_cli("export", "--target", micro_family / "target", "--draft", micro_family / "draft",
+                   "--out", tmp_path / "o", "--config", cfg)
+    assert_clean_error(proc, "draft.k")
+    cfg.write_text("max_context: 100000\n")
+    proc = run_cli("export", "--target", micro_family / "target", "--out", tmp_path / "o", "--config", cfg)
+    assert_clean_error(proc, "max_position_embeddings")
+
+
+def test_prompt_longer_than_context(micro_export):
+    ids = ",".join(["5"] * 600)
+    assert_clean_error(run_cli("generate", micro_export, "--prompt-ids", ids), "max context")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "nan"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--seed", "-3"], "seed"),
+    (["--method", "telepathy"], "unknown method"),
+    (["--backend", "trt"], "backend"),
+])
+def test_invalid_generation_values(micro_export, flags, needle):
+    assert_clean_error(gen(micro_export, *flags), needle)
+
+
+def test_bad_prompt_ids(micro_export):
+    assert_clean_error(run_cli("generate", micro_export, "--prompt-ids", "1,x"), "prompt-ids")
+    assert_clean_error(run_cli("generate", micro_export, "--prompt-ids", "1,999999"), "out of range")
+
+
+def test_method_not_exported(micro_family, tmp_path):
+    out = tmp_path / "target_only"
+    proc = run_cli("export", "--target", micro_family / "target", "--out", out, "--no-check")
+    assert proc.returncode == 0, proc.stderr
+    assert_clean_error(gen(out, "--method", "draft"), "draft")
+
+
+def test_check_fails_on_tampered_reference(broken_copy):
+    from polygraphy.comparator import RunResults
+
+    ref = broken_copy / "check" / "target_t1.outputs.json"
+    results = RunResults.load(str(ref))
+    for _, iters in results:
+        iters[0]["logits"] = iters[0]["logits"] + 1.0
+    results.save(str(ref))
+    proc = run_cli("check", broken_copy)
+    assert proc.returncode != 0
+    assert "FAIL target_t1" in proc.stdout

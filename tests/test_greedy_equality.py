@@ -1,0 +1,99 @@
+"""ar, draft and prompt-lookup greedy output is token-identical to Hugging Face greedy."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy
+
+PROMPTS = [
+    "def foo(x):\n    return",
+    "import os\nimport sys\n\n\nclass Config",
+    "for i in range(10):\n    if i %",
+    "    def __init__(self, name, value=None):\n        self.",
+    "x = [1, 2, 3]\ny = {",
+    "# Copyright\n\"\"\"Module docstring.\"\"\"\n",
+    "try:\n    import",
+    "with open(path) as f:\n    data = f.read()\n",
+    "raise ValueError(",
+    "\n",
+    "assert isinstance(",
+    "return self._",
+]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def micro(micro_export):
+    from specdeploy.runtime.export_dir import Export
+
+    return Export(micro_export)
+
+
+@pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup"])
+def test_micro_family_matches_hf_greedy(micro, micro_family, method):
+    from specdeploy.runtime.generate import generate
+
+    mismatches = []
+    for prompt in PROMPTS:
+        ids = micro.tokenizer.encode(prompt)
+        ours = generate(micro, ids, method=method, max_new_tokens=NEW, ignore_eos=True)
+        ref = hf_greedy(micro_family / "target", ids, NEW)
+        if ours.token_ids != ref:
+            mismatches.append(prompt)
+        if method != "ar":
+            assert ours.stats["target_calls"] <= NEW
+    assert not mismatches, f"{method} differs from HF greedy on {mismatches}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("method", ["ar", "draft"])
+def test_other_architectures_match_hf_greedy(arch_exports, random_models, arch, method):
+    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.generate import generate
+
+    export = Export(arch_exports[arch])
+    for prompt in PROMPTS[:4]:
+        ids = export.tokenizer.encode(prompt)
+        ours = generate(export, ids, method=method, max_new_tokens=24, ignore_eos=True)
+        assert ours.token_ids == hf_greedy(random_models[arch][0], ids, 24), (arch, method, prompt)
+
+
+def test_long_generation_crosses_prefill_chunks_and_stops_at_context(micro, micro_family):
+    """A prompt longer than one prefill chunk, generating up to the context end."""
+    from specdeploy.runtime.generate import generate
+
+    ids = micro.tokenizer.encode("\n".join(PROMPTS))
+    assert len(ids) > micro.prefill_chunk
+    ref = hf_greedy(micro_family / "target", ids, 64)
+    for method in ("ar", "draft"):
+        assert generate(micro, ids, method=method, max_new_tokens=64, ignore_eos=True).token_ids == ref
+    room = micro.manifest.max_context - len(ids)
+    full = generate(micro, ids, method="draft", max_new_tokens=10_000, ignore_eos=True)
+    assert full.finish_reason == "length"
+    assert len(full.token_ids) == room
+
+
+def test_eos_stops_generation(micro):
+    from specdeploy.runtime.generate import generate
+
+    eos = next(iter(micro.eos_token_ids))
+    ids = micro.tokenizer.encode(PROMPTS[0])
+    free = generate(micro, ids, method="draft", max_new_tokens=200)
+    if eos in free.token_ids:
+        assert free.token_ids[-1] == eos and free.finish_reason == "stop"
+    else:
+        assert len(free.token_ids) == 200
+
+
+def test_stop_strings_cut_text(micro):
+    from specdeploy.runtime.generate import Generation
+
+    ids = micro.tokenizer.encode(PROMPTS[3])
+    full = Generation(micro, ids, method="draft", max_new_tokens=60, ignore_eos=True).result().text
+    stop = full.strip()[3:6]
+    assert stop and stop in full
+    gen = Generation(micro, ids, method="draft", max_new_tokens=60, ignore_eos=True, stop=[stop])
+    streamed = "".join(e.text for e in gen)
+    assert gen.finish_reason == "stop"
+    assert streamed == full[: full.index(stop)]

@@ -1,0 +1,108 @@
+"""Speculative sampling reproduces the target's own sampling distribution.
+
+Exact reference: the target's joint distribution of the first two new tokens
+(under temperature/top-k), computed from its logits. A wrong residual (sampling
+from p instead of norm(max(0, p - q)) after a rejection) or a wrong bonus token
+shifts these frequencies far beyond the chi-square threshold used here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from specdeploy.runtime.sampling import SamplingParams, sample
+from specdeploy.runtime.tree import Tree
+from specdeploy.runtime.verify import verify_sampling
+
+RUNS = 1500
+
+
+def exact_two_token_dist(export, ids, params):
+    """{(x1, x2): probability} under the target, via our own ar decoder's logits."""
+    dec = export.decoder("target")
+    dec.reset()
+    dec.prefill(ids[:-1], export.prefill_chunk)
+    base = len(ids)
+    out = dec.forward(np.array(ids[-1:]), np.array([base - 1]), np.ones((1, 1), bool))
+    dec.commit(out, slice(0, 1))
+    p1 = params.probs(out.logits[0])
+    dist = {}
+    for x1 in np.flatnonzero(p1):
+        dec.cache.length = base
+        out2 = dec.forward(np.array([x1]), np.array([base]), np.ones((1, 1), bool))
+        p2 = params.probs(out2.logits[0])
+        for x2 in np.flatnonzero(p2):
+            dist[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    return dist
+
+
+def chi_square_pvalue(samples, dist):
+    keys = sorted(dist)
+    counts = np.array([samples.count(k) for k in keys], float)
+    assert counts.sum() == len(samples), "a sample fell outside the target's support"
+    expected = np.array([dist[k] for k in keys]) * len(samples)
+    # Pool rare cells so the chi-square approximation holds.
+    rare = expected < 5
+    obs = np.append(counts[~rare], counts[rare].sum())
+    exp = np.append(expected[~rare], expected[rare].sum())
+    keep = exp > 0
+    return chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+@pytest.mark.parametrize("method,overrides", [("draft", {"k": 1}), ("draft", {"k": 4}), ("ar", None)])
+def test_speculative_sampling_matches_target_distribution(micro_export, method, overrides):
+    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.generate import generate
+
+    export = Export(micro_export)
+    params = SamplingParams(temperature=1.3, top_k=6)
+    ids = export.tokenizer.encode("def foo(x):\n    return")
+    dist = exact_two_token_dist(export, ids, params)
+    samples = []
+    for seed in range(RUNS):
+        p = SamplingParams(temperature=1.3, top_k=6, seed=seed)
+        r = generate(export, ids, method=method, params=p, max_new_tokens=2, ignore_eos=True, method_overrides=overrides)
+        samples.append(tuple(r.token_ids))
+    assert chi_square_pvalue(samples, dist) > 1e-3
+
+
+def _tree_sample_freqs(tree, tokens, logits, params, draft_probs, runs, seed):
+    rng = np.random.default_rng(seed)
+    firsts = np.zeros(logits.shape[1])
+    for _ in range(runs):
+        v = verify_sampling(tree, tokens, logits, params, rng, draft_probs)
+        emitted = [int(tokens[i]) for i in v.path[1:]] + [v.next_token]
+        firsts[emitted[0]] += 1
+    return firsts / runs
+
+
+def test_tree_rejection_sampling_is_lossless_for_deterministic_siblings():
+    """Medusa/lookahead-style trees: several top-k siblings, no draft distribution."""
+    rng = np.random.default_rng(0)
+    vocab = 6
+    logits = rng.normal(size=(4, vocab)) * 1.5
+    tree = Tree(parents=(-1, 0, 0, 0))
+    tokens = np.array([0, 2, 4, 5])  # three deterministic candidates under the root
+    params = SamplingParams(temperature=1.0)
+    freqs = _tree_sample_freqs(tree, tokens, logits, params, None, 20000, 1)
+    p = params.probs(logits[0])
+    assert np.abs(freqs - p).max() < 0.015
+
+
+def test_chain_rejection_sampling_is_lossless_with_draft_distribution():
+    rng = np.random.default_rng(1)
+    vocab = 5
+    logits = rng.normal(size=(2, vocab)) * 2
+    q = np.array([0.05, 0.6, 0.05, 0.25, 0.05])
+    params = SamplingParams(temperature=1.0)
+    firsts = np.zeros(vocab)
+    draw = np.random.default_rng(2)
+    runs = 20000
+    for _ in range(runs):
+        x = sample(q, draw)
+        tokens = np.array([0, x])
+        v = verify_sampling(Tree.chain(1), tokens, logits, params, draw, np.stack([q, q]))
+        firsts[x if len(v.path) > 1 else v.next_token] += 1
+    assert np.abs(firsts / runs - params.probs(logits[0])).max() < 0.015
