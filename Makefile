@@ -51,5 +51,15 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q tests
 
+# Benchmark peers: onnxruntime-genai in its own venv (its model builder needs transformers>=5),
+# its models and optimum's export of the target, all cached under build/peers/.
+peers: family
+	$(VPY) -m specdeploy.bench.peers --target $(FAMILY)/target --draft $(FAMILY)/draft
+
+# Our methods beside the peers, same model and prompts; regenerates BENCHMARKS.md and docs/bench.png.
+bench: peers
+	@$(MAKE) --no-print-directory $(EXPORT_DIR)/manifest.json
+	$(SPEC) bench $(EXPORT_DIR) --json bench_out/bench.json --plot docs/bench.png --markdown BENCHMARKS.md
+
 clean:
 	rm -rf $(BUILD)

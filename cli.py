@@ -18,6 +18,20 @@ def _ids(text: str) -> list[int]:
         raise SpecDeployError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _method_params(items: list[str] | None) -> dict:
+    """`--param k=8 --param max_ngram=2` -> {"k": 8, "max_ngram": 2} (the method validates them)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecDeployError(f"--param expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise SpecDeployError(f"--param {key.strip()}: expected an integer, got {value!r}") from None
+    return out
+
+
 def cmd_export(args) -> int:
     from .export.main import run_export
 
@@ -34,7 +48,7 @@ def cmd_generate(args) -> int:
     export = Export(args.out, backend=args.backend)
     ids = _ids(args.prompt_ids) if args.prompt_ids is not None else export.tokenizer.encode(args.prompt)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
-                     stop=args.stop, ignore_eos=args.ignore_eos)
+                     stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param))
     if args.json:
         result = gen.result()
         print(json.dumps(result.to_json()))
@@ -62,11 +76,45 @@ def cmd_check(args) -> int:
         lint = None
     if lint is not None and hasattr(lint, "cli_report"):
         extra_failed = lint.cli_report(Path(args.path))
+    from .engines import trt_check  # TensorRT vs ONNX Runtime; one skip line without TensorRT
+
+    extra_failed += trt_check.cli_report(Path(args.path))
     if failed:
         print(f"error: {len(failed)} of {len(results)} graphs failed the accuracy check: {', '.join(failed)}", file=sys.stderr)
         return 1
     print(f"all {len(results)} graphs match PyTorch")
     return 1 if extra_failed else 0
+
+
+def cmd_engines(args) -> int:
+    from .engines.builder import cli_engines
+
+    return cli_engines(args)
+
+
+def cmd_tune_tree(args) -> int:
+    from .runtime.export_dir import Export
+    from .runtime.tree_tuning import read_prompts_file, tune, write_tree
+
+    export = Export(args.export, backend=args.backend)
+    if args.prompts is not None:
+        texts = read_prompts_file(args.prompts)
+    else:  # held-out stdlib functions: text the family never trained on
+        from .export.corpus import heldout_prompts
+
+        texts = heldout_prompts(args.num_prompts, seed=1)
+    result = tune(export, args.method, [export.tokenizer.encode(t) for t in texts], args.max_new_tokens,
+                  args.max_nodes, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    out = args.out or Path(args.export) / f"tuned_tree_{args.method}.json"
+    write_tree(out, args.method, result)
+    print(f"wrote {out}: {len(result['paths'])} nodes (use it with `specdeploy export ... --tree {out}`)")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .serve.main import run_server
+
+    return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export HF model dirs to ONNX graphs + manifest")
     e.add_argument("--target", required=True, type=Path, help="HF model directory of the target")
     e.add_argument("--draft", type=Path, help="HF model directory of a draft model (same vocabulary)")
+    e.add_argument("--eagle", type=Path, help="EAGLE head directory (SafeAILab EAGLE-1/2 or EAGLE-3 layout)")
+    e.add_argument("--medusa", type=Path, help="Medusa heads directory (FasterDecoding/Medusa layout)")
+    e.add_argument("--tree", help="Medusa tree: a name in configs/trees/ or a .json file (default: the config's)")
     e.add_argument("--out", required=True, type=Path)
     e.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     e.add_argument("--config", type=Path, help="YAML overriding configs/default.yaml")
@@ -95,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--param", action="append", metavar="KEY=VALUE",
+                   help="override a method parameter of the export's config, e.g. --param max_ngram=2 (repeatable)")
     g.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g.set_defaults(func=cmd_generate)
@@ -102,6 +155,47 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="polygraphy accuracy of every graph against PyTorch")
     c.add_argument("path", help="export directory or a single .onnx file")
     c.set_defaults(func=cmd_check)
+
+    n = sub.add_parser("engines", help="build a TensorRT engine per exported graph (skipped without TensorRT/GPU)")
+    n.add_argument("out", type=Path, help="export directory")
+    when = n.add_mutually_exclusive_group()
+    when.add_argument("--rebuild", action="store_true", help="rebuild every engine, not only missing or stale ones")
+    when.add_argument("--no-rebuild", action="store_true", help="fail on a missing or stale engine instead of building it")
+    n.add_argument("--workspace-gb", type=float, help="TensorRT workspace memory limit in GiB (default: TensorRT's)")
+    n.add_argument("--timing-cache", type=Path, help="timing cache file to share across builds "
+                   "(default: OUT/engines/timing.cache)")
+    n.set_defaults(func=cmd_engines)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over an export")
+    s.add_argument("out", type=Path, help="export directory")
+    s.add_argument("--method", help="default method (a request may choose another with 'method'); default ar")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--pool-size", type=int, default=1, help="concurrent requests (one export instance each)")
+    s.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; beyond: 429")
+    s.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait; then 429")
+    s.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
+    s.add_argument("--threads", type=int, help="ORT threads per session (default: CPU cores / pool size)")
+    s.add_argument("--model-name", help="model id clients use (default: the export directory's name)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("tune-tree", help="calibrate a static draft tree for this export and backend")
+    t.add_argument("export", type=Path, help="export directory")
+    t.add_argument("--method", default="medusa")
+    t.add_argument("--prompts", type=Path, help="calibration prompts: .json list of strings or .jsonl "
+                   "(default: held-out stdlib functions)")
+    t.add_argument("--num-prompts", type=int, default=16, help="default prompts to use (without --prompts)")
+    t.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens generated per prompt")
+    t.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (root excluded)")
+    t.add_argument("--out", type=Path, help="tree file to write (default: EXPORT/tuned_tree_METHOD.json)")
+    t.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
+    t.set_defaults(func=cmd_tune_tree)
+
+    from .bench.cli import add_parser as add_bench_parser  # arguments + handler live in bench/
+
+    add_bench_parser(sub)
     return p
 
 

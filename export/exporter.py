@@ -14,6 +14,8 @@ from ..runtime.errors import SpecDeployError
 from ..runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
 from ..runtime.methods import VERIFY_TOKENS, validate_methods
 from .decoder_graph import DecoderGraph, graph_io_names
+from .eagle_export import EagleExport
+from .medusa_export import MedusaExport
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .onnx_writer import SharedWeights, export_module
 from .reference import decoder_feeds, run_torch, save_reference
@@ -86,21 +88,37 @@ class DecoderExporter:
 def target_token_counts(cfg: dict, methods: dict) -> list[int]:
     counts = {1, cfg["prefill_chunk"]}
     for method, params in methods.items():
-        counts.add(VERIFY_TOKENS[method](params))
+        tokens = VERIFY_TOKENS[method](params)
+        if tokens >= cfg["max_context"]:
+            raise SpecDeployError(f"config: methods.{method} needs a verify graph of {tokens} tokens, "
+                                  f"which does not fit max_context {cfg['max_context']}")
+        counts.add(tokens)
     if max(counts) >= cfg["max_context"]:
         raise SpecDeployError(f"a graph of {max(counts)} tokens does not fit max_context {cfg['max_context']}")
     return sorted(counts)
 
 
 def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
-               config: Path | None = None, progress=print, extra_models=None) -> Path:
-    """The whole export; `extra_models(ctx)` hooks add head graphs (Medusa, EAGLE)."""
+               config: Path | None = None, progress=print, extra_models=None, eagle: Path | None = None,
+               medusa: Path | None = None, medusa_tree: str | None = None) -> Path:
+    """The whole export; `extra_models(ctx)` hooks add head graphs (Medusa, EAGLE); `eagle` is an EAGLE head dir;
+    `medusa` a Medusa heads dir (published layout) and `medusa_tree` overrides methods.medusa.tree."""
     start = time.perf_counter()
     cfg = load_export_config(config)
     methods = dict(cfg["methods"])
     if draft is None:
         methods.pop("draft", None)
+    if eagle is None:
+        methods.pop("eagle", None)  # exported only with a head (--eagle DIR)
+    if medusa_tree is not None and medusa is None:
+        raise SpecDeployError("--tree chooses the Medusa tree: it needs --medusa DIR")
+    medusa_export = MedusaExport(medusa, medusa_tree) if medusa is not None else None
+    if medusa_export is None:
+        methods.pop("medusa", None)  # exported only with heads (--medusa DIR)
+    else:
+        methods["medusa"] = medusa_export.method_config(methods.get("medusa", {}))
     methods = validate_methods(methods)
+    token_counts = target_token_counts(cfg, methods)  # config errors before anything is written
     torch.manual_seed(0)
     out = Path(out)
     target_cfg = read_hf_config(target)
@@ -112,6 +130,8 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         check_context("draft", draft_cfg, cfg["max_context"])
     if not (Path(target) / "tokenizer.json").is_file():
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
+    if medusa_export is not None:  # heads checked against the target before anything is written
+        medusa_export.prepare(target_cfg, methods, progress)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -119,9 +139,13 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
 
     progress(f"loading target from {target} ({dtype})")
     target_model = load_causal_lm(Path(target), dtype)
-    exporter = DecoderExporter("target", target_model, out, dtype, cfg["max_context"], progress)
+    eagle_export = EagleExport(eagle) if eagle is not None else None
+    feature_layers = eagle_export.prepare(target_model, progress) if eagle_export else ()  # head checked early
+    exporter = DecoderExporter("target", target_model, out, dtype, cfg["max_context"], progress, feature_layers)
     models["target"] = {**exporter.spec, "source": str(Path(target).resolve())}
-    for t in target_token_counts(cfg, methods):
+    if feature_layers:
+        models["target"]["feature_layers"] = list(feature_layers)
+    for t in token_counts:
         name, entry = exporter.export(t)
         graphs[name] = entry
     if draft is not None:
@@ -132,9 +156,14 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         for t in sorted({1, cfg["prefill_chunk"]}):
             name, entry = dexp.export(t)
             graphs[name] = entry
+    ctx = {"out": out, "target_model": target_model, "graphs": graphs, "models": models,
+           "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress}
     if extra_models is not None:
-        extra_models({"out": out, "target_model": target_model, "graphs": graphs, "models": models,
-                      "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress})
+        extra_models(ctx)
+    if eagle_export is not None:
+        eagle_export(ctx)
+    if medusa_export is not None:
+        medusa_export(ctx)
 
     tok_dir = out / "tokenizer"
     tok_dir.mkdir()

@@ -22,6 +22,8 @@ an interrupted or outdated one is redone.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -98,8 +100,8 @@ MICRO = Preset(
     max_position_embeddings=1024,
     target=ModelSpec(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192),
     draft=ModelSpec(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=96),
-    target_train=TrainSpec(steps=300, batch=8, lr=3e-3, warmup=20),
-    draft_train=TrainSpec(steps=200, batch=8, lr=3e-3, warmup=20, kl_weight=0.9),
+    target_train=TrainSpec(steps=400, batch=8, lr=3e-3, warmup=20),
+    draft_train=TrainSpec(steps=300, batch=8, lr=3e-3, warmup=20, kl_weight=0.9),
     eval_windows=32,
     bf16=False,  # too small for bf16 to pay off
 )
@@ -112,9 +114,9 @@ DEFAULT = Preset(
     seq_len=256,
     max_position_embeddings=1024,
     target=ModelSpec(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024),
-    draft=ModelSpec(hidden=192, layers=1, heads=3, kv_heads=1, intermediate=512),
-    target_train=TrainSpec(steps=360, batch=8, lr=2e-3, warmup=30),
-    draft_train=TrainSpec(steps=300, batch=8, lr=3e-3, warmup=20, kl_weight=0.9),
+    draft=ModelSpec(hidden=192, layers=1, heads=3, kv_heads=1, intermediate=768),
+    target_train=TrainSpec(steps=290, batch=8, lr=2e-3, warmup=30),
+    draft_train=TrainSpec(steps=250, batch=8, lr=3e-3, warmup=20, kl_weight=0.9),
     eval_windows=48,
     bf16=True,
 )
@@ -151,7 +153,6 @@ def llama_config(spec: ModelSpec, preset: Preset, vocab_size: int):
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        torch_dtype="float32",
     )
 
 
@@ -327,6 +328,18 @@ def load_cached(out_dir: Path, preset: Preset) -> dict | None:
     return meta if dirs_ok and meta.get("config_hash") == preset.config_hash() else None
 
 
+@contextlib.contextmanager
+def _build_lock(out_dir: Path):
+    """Serialize builds of one out_dir across processes (parallel test sessions share build/)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build_family(preset: str, out_dir: Path, progress: Progress = print) -> dict:
     """Build (or reuse) the target/draft family for `preset` in `out_dir`; returns family.json."""
     spec = get_preset(preset)
@@ -336,11 +349,16 @@ def build_family(preset: str, out_dir: Path, progress: Progress = print) -> dict
         progress(msg)
         sys.stdout.flush()  # progress lines must show up live in logs, not at exit
 
-    cached = load_cached(out_dir, spec)
-    if cached is not None:
-        say(f"[family] {preset}: reusing {out_dir} (config {cached['config_hash']})")
-        return cached
+    with _build_lock(out_dir):
+        cached = load_cached(out_dir, spec)
+        if cached is not None:
+            say(f"[family] {preset}: reusing {out_dir} (config {cached['config_hash']})")
+            return cached
+        return _build(spec, out_dir, say)
 
+
+def _build(spec: Preset, out_dir: Path, say: Progress) -> dict:
+    preset = spec.name
     t0 = time.perf_counter()
     torch.set_num_threads(2)
     torch.manual_seed(spec.seed)
@@ -400,7 +418,7 @@ def _random_config(arch: str, vocab_size: int):
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32",
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
     if arch == "llama":
         return LlamaConfig(head_dim=16, **common)
@@ -428,7 +446,7 @@ def make_random_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int =
     vocab_size = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _random_config(arch, vocab_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config).float()
     # HF inits biases to 0 and norm weights to 1; perturb them so an exporter that
     # drops a bias or a norm scale (qwen3's q_norm/k_norm included) fails the tests.
     with torch.no_grad():

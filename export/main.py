@@ -11,7 +11,9 @@ def run_export(args) -> None:
     def progress(msg: str) -> None:
         print(msg, flush=True)
 
-    out = export_all(args.target, args.out, draft=args.draft, dtype=args.dtype, config=args.config, progress=progress)
+    out = export_all(args.target, args.out, draft=args.draft, dtype=args.dtype, config=args.config, progress=progress,
+                     eagle=getattr(args, "eagle", None), medusa=getattr(args, "medusa", None),
+                     medusa_tree=getattr(args, "tree", None))
     if not args.no_check:
         from .check import check_path
 

@@ -46,8 +46,19 @@ def check_backend(name: str | None) -> str:
         raise SpecDeployError(f"unknown backend {name!r} (choose from {', '.join(known)})")
     have = available_backends()
     if name not in have:
-        raise SpecDeployError(f"backend {name!r} is not available here (available: {', '.join(have) or 'none'})")
+        raise SpecDeployError(f"backend {name!r} is not available here: {_why_unavailable(name)} "
+                              f"(available: {', '.join(have) or 'none'})")
     return name
+
+
+def _why_unavailable(name: str) -> str:
+    if name == "trt":
+        from .trt_backend import unavailable_reason
+
+        return unavailable_reason() or "TensorRT check failed"
+    provider = ORT_PROVIDERS[name][0]
+    hint = "install onnxruntime-gpu" if name == "ort-cuda" else "install an onnxruntime build with TensorRT"
+    return f"onnxruntime has no {provider} ({hint})"
 
 
 class OrtGraph:
@@ -62,7 +73,9 @@ class OrtGraph:
             opts.intra_op_num_threads = threads
         opts.log_severity_level = 3
         try:
-            self.session = ort.InferenceSession(str(path), opts, providers=ORT_PROVIDERS[backend])
+            # Under "trt", graphs that have no engine (drafter heads) run on ORT's CUDA provider.
+            providers = ORT_PROVIDERS["ort-cuda"] if backend == "trt" else ORT_PROVIDERS[backend]
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
         except Exception as exc:  # corrupt or truncated graph / external data
             raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
         self.output_names = [o.name for o in self.session.get_outputs()]

@@ -75,8 +75,11 @@ class Decoder:
     def commit(self, step: StepOutput, rows) -> None:
         self.cache.commit(step.presents, rows)
 
-    def prefill(self, tokens: list[int] | np.ndarray, chunk: int) -> StepOutput | None:
-        """Process and commit tokens causally in chunks of the prefill graph's size."""
+    def prefill(self, tokens: list[int] | np.ndarray, chunk: int, on_chunk=None) -> StepOutput | None:
+        """Process and commit tokens causally in chunks of the prefill graph's size.
+
+        `on_chunk(step)` sees every chunk's output (EAGLE reads the prompt's features).
+        """
         tokens = np.asarray(tokens, dtype=np.int64)
         last = None
         for s in range(0, len(tokens), chunk):
@@ -85,6 +88,8 @@ class Decoder:
             n = len(piece)
             last = self.forward(piece, np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)))
             self.commit(last, slice(0, n))
+            if on_chunk is not None:
+                on_chunk(last)
         return last
 
     def reset(self) -> None:

@@ -20,12 +20,21 @@ class Export:
     def __init__(self, path: str | Path, backend: str | None = None, threads: int | None = None,
                  verify_checksums: bool = True):
         self.manifest = load_manifest(path, verify_checksums=verify_checksums)
+        # Digests load_manifest checked against the files: engine staleness checks reuse them.
+        self._verified_digests = self.manifest.files if verify_checksums else None
         self.backend = check_backend(backend)
+        if backend in (None, "auto") and self.backend == "trt":
+            from .backends import available_backends
+            from .trt_backend import engines_listed
+
+            if not engines_listed(self.manifest):  # auto never picks engines that were not built
+                self.backend = next(b for b in ("ort-trt", "ort-cuda", "ort-cpu") if b in available_backends())
         self.threads = threads
         self.tokenizer = TextTokenizer(self.manifest.root / self.manifest.tokenizer.get("dir", "tokenizer"))
         self.methods = validate_methods(self.manifest.methods)
         self.prefill_chunk = int(self.manifest.raw.get("prefill_chunk", 16))
         self._decoders: dict[str, Decoder] = {}
+        self._parts: dict[str, object] = {}
         target = self.manifest.models.get("target")
         if target is None:
             raise SpecDeployError("manifest has no target model")
@@ -36,8 +45,27 @@ class Export:
 
     def decoder(self, model: str) -> Decoder:
         if model not in self._decoders:
-            self._decoders[model] = Decoder(self.manifest, model, self.backend, self.threads)
+            self._decoders[model] = self._open_decoder(model)
         return self._decoders[model]
+
+    def part(self, key: str, opener):
+        """Other per-export graph sets (an EAGLE head and its cache), opened once on first use."""
+        if key not in self._parts:
+            self._parts[key] = opener()
+        return self._parts[key]
+
+    def _open_decoder(self, model: str):
+        """GPU backends keep the KV cache on the device (trt_backend.py, ort_bound.py)."""
+        if self.backend == "trt":
+            from .trt_backend import TrtDecoder
+
+            return TrtDecoder(self.manifest, model, trusted_digests=self._verified_digests)
+        if self.backend in ("ort-cuda", "ort-trt"):
+            from .ort_bound import OrtBoundDecoder, iobinding_unavailable_reason
+
+            if iobinding_unavailable_reason(self.backend) is None:
+                return OrtBoundDecoder(self.manifest, model, self.backend, self.threads)
+        return Decoder(self.manifest, model, self.backend, self.threads)
 
     def method_params(self, method: str, overrides: dict | None = None) -> dict:
         check_method(method)

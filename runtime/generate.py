@@ -82,7 +82,7 @@ class Generation:
         target, drafter, state = self.target, self.drafter, self.state
         target.reset()
         calls0, verify0 = target.calls, target.seconds
-        target.prefill(state.tokens[:-1], self.export.prefill_chunk)
+        target.prefill(state.tokens[:-1], self.export.prefill_chunk, on_chunk=drafter.prefilled)
         self.stats["prefill_calls"] = target.calls - calls0
         self.stats["prefill_s"] = target.seconds - verify0
         drafter.start(state)
@@ -98,12 +98,11 @@ class Generation:
             if room < 1:
                 self.finish_reason = "length"
                 break
-            if proposal.tree.size > 1 and target.graph_for(proposal.tree.size) > room:
+            if proposal.size > 1 and target.graph_for(proposal.size) > room:
                 proposal = Proposal.root_only(state.tokens[-1])  # near the context end: plain decode
             tv = time.perf_counter()
             tree = proposal.tree
-            positions = target.cache.length + tree.depth
-            out = target.forward(proposal.tokens, positions, tree.mask)
+            out = target.forward(*proposal.packed(target.cache.length))  # tree rows first, then aux rows
             self.stats["verify_s"] += time.perf_counter() - tv
             self.stats["target_calls"] += 1
             verdict = verify(tree, proposal.tokens, out.logits, self.params, state.rng, proposal.draft_probs)

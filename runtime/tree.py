@@ -74,11 +74,13 @@ class Tree:
         return Tree(parents=tuple(range(-1, n)), ranks=(0,) * (n + 1))
 
     @staticmethod
-    def from_paths(paths: list[list[int]], max_rank: int | None = None) -> "Tree":
+    def from_paths(paths: list[list[int]], max_rank: int | None = None, max_depth: int | None = None,
+                   max_size: int | None = None) -> "Tree":
         """Medusa's `medusa_choices` format: each path lists top-k ranks per depth.
 
         Validated: every path's prefix is also a path (prefix-closed), ranks are
-        non-negative (and < max_rank when given), no duplicates.
+        non-negative (and < max_rank when given), no duplicates; when given, depth
+        <= max_depth (e.g. Medusa heads) and nodes incl. the root <= max_size (graph T).
         """
         if not isinstance(paths, list) or not paths:
             raise SpecDeployError("tree: expected a non-empty list of paths (lists of top-k ranks)")
@@ -88,12 +90,16 @@ class Tree:
                 raise SpecDeployError(f"tree: path {path!r} is not a non-empty list of integer ranks")
             if any(r < 0 or (max_rank is not None and r >= max_rank) for r in path):
                 raise SpecDeployError(f"tree: path {list(path)} has a rank outside [0, {max_rank})")
+            if max_depth is not None and len(path) > max_depth:
+                raise SpecDeployError(f"tree: path {list(path)} is deeper than the {max_depth} levels available")
             if tuple(path) in seen:
                 raise SpecDeployError(f"tree: path {list(path)} is listed twice")
             seen.add(tuple(path))
         for path in seen:
             if len(path) > 1 and path[:-1] not in seen:
                 raise SpecDeployError(f"tree: path {list(path)} has no parent path {list(path[:-1])} (not prefix-closed)")
+        if max_size is not None and len(seen) + 1 > max_size:
+            raise SpecDeployError(f"tree: {len(seen) + 1} nodes (with the root) exceed the verify graph's {max_size} tokens")
         # Breadth-first, then by ranks: parents always precede children.
         ordered = sorted(seen, key=lambda p: (len(p), p))
         index = {(): 0}

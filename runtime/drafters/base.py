@@ -17,10 +17,37 @@ class Proposal:
     tree: Tree
     tokens: np.ndarray  # [tree.size] int64; tokens[0] is the root (last committed token)
     draft_probs: np.ndarray | None = None  # [tree.size, vocab]: q each node was sampled from; None = deterministic
+    # Auxiliary tokens scored in the same target call, after the tree nodes (lookahead's
+    # Jacobi window). They are never candidates and their KV is never committed; the
+    # drafter reads their logits (rows tree.size.. of the step output) in update().
+    aux_tokens: np.ndarray | None = None  # [a] int64
+    aux_positions: np.ndarray | None = None  # [a] offsets from the root's position (like tree.depth)
+    aux_mask: np.ndarray | None = None  # [a, tree.size + a] bool: aux row sees column
 
     @staticmethod
     def root_only(root: int) -> "Proposal":
         return Proposal(Tree.chain(0), np.array([root], dtype=np.int64))
+
+    @property
+    def size(self) -> int:
+        """Tokens in the target call: tree nodes plus auxiliary tokens."""
+        return self.tree.size + (0 if self.aux_tokens is None else len(self.aux_tokens))
+
+    def packed(self, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, positions, mask) of the one target call; the root sits at position `start`.
+
+        Tree rows see only tree nodes (their ancestors), never aux tokens, so the
+        verified logits are exactly those of the tree alone.
+        """
+        positions = start + self.tree.depth
+        if self.aux_tokens is None:
+            return self.tokens, positions, self.tree.mask
+        n, s = self.size, self.tree.size
+        mask = np.zeros((n, n), dtype=bool)
+        mask[:s, :s] = self.tree.mask
+        mask[s:] = self.aux_mask
+        return (np.concatenate([self.tokens, self.aux_tokens]),
+                np.concatenate([positions, start + np.asarray(self.aux_positions, dtype=np.int64)]), mask)
 
 
 @dataclass
@@ -36,6 +63,9 @@ class Drafter:
 
     name = "ar"
     deterministic = True  # proposals carry no draft_probs
+
+    def prefilled(self, target_out: StepOutput) -> None:
+        """One chunk of the prompt's target prefill (before start()); EAGLE keeps its features."""
 
     def start(self, state: DecodeState) -> None:
         """A new request begins (state.tokens is the prompt)."""

@@ -10,7 +10,13 @@ from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
 
 
+KEYS = ("k", "max_ngram", "min_ngram")
+
+
 def validate(params: dict) -> dict:
+    unknown = sorted(set(params) - set(KEYS))
+    if unknown:
+        raise SpecDeployError(f"config: unknown prompt-lookup keys {unknown} (expected {', '.join(KEYS)})")
     k = positive_int(params.get("k", 4), "prompt-lookup.k")
     max_n = positive_int(params.get("max_ngram", 3), "prompt-lookup.max_ngram")
     min_n = positive_int(params.get("min_ngram", 1), "prompt-lookup.min_ngram")
@@ -24,8 +30,12 @@ def verify_tokens(params: dict) -> int:
 
 
 def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
-    """Up to k tokens that followed the most recent earlier occurrence of the
-    longest suffix n-gram (longest n first). Empty when nothing matches."""
+    """Up to k tokens that followed an earlier occurrence of the longest suffix n-gram
+    (longest n first): the most recent occurrence followed by k tokens, else the one
+    followed by the most (the earliest). Empty when nothing matches.
+
+    Inside a repeated run the most recent occurrence overlaps the suffix and leaves
+    only a token or two to copy; an earlier one copies the full k."""
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = tokens[length - n :]
@@ -33,7 +43,8 @@ def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if len(full) else hits[0]) + n
             return tokens[start : start + k]
     return tokens[:0]
 

@@ -1,0 +1,92 @@
+"""`specdeploy bench`: its arguments and handler (cli.py only registers them)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ..runtime.errors import SpecDeployError
+
+
+def add_parser(sub) -> None:
+    from .run import ALL_METHODS, PEERS
+
+    b = sub.add_parser("bench", help="benchmark the methods beside HF transformers, optimum and onnxruntime-genai")
+    b.add_argument("out", type=Path, help="export directory")
+    b.add_argument("--methods", default=",".join(ALL_METHODS),
+                   help="comma list; those the export lacks are skipped and reported")
+    b.add_argument("--peers", default=",".join(PEERS), help="comma list of hf,optimum,ortgenai ('none' for none)")
+    b.add_argument("--prompts", type=Path, action="append",
+                   help="JSONL prompt file, one {\"prompt\": ...} per line (repeatable; the set is named after the "
+                        "file); default: the shipped code and grounded sets")
+    b.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each set")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); tokens are compared only then")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--threads", type=int, default=2, help="threads for every system")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", type=Path, help="write the full result here")
+    b.add_argument("--plot", type=Path, help="write the PNG plot here")
+    b.add_argument("--markdown", type=Path, help="write a BENCHMARKS.md-style report here")
+    b.add_argument("--peers-dir", type=Path, help="peer venv and models (default build/peers)")
+    b.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
+    b.set_defaults(func=cmd_bench)
+
+
+def _list(text: str, allowed, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip() and x.strip() != "none"]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise SpecDeployError(f"unknown {what} {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return list(dict.fromkeys(items))
+
+
+def _command(args) -> str:
+    parts = ["specdeploy", "bench", str(args.out), "--methods", args.methods, "--peers", args.peers or "none",
+             "--max-new-tokens", str(args.max_new_tokens), "--num-prompts", str(args.num_prompts),
+             "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    if args.temperature:
+        parts += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
+    for p in args.prompts or []:
+        parts += ["--prompts", str(p)]
+    for flag in ("json", "plot", "markdown"):
+        if getattr(args, flag):
+            parts += [f"--{flag}", str(getattr(args, flag))]
+    return shlex.join(parts)
+
+
+def cmd_bench(args) -> int:
+    from ..runtime.methods import known_methods
+    from . import peers, report
+    from .prompts import shipped_sets
+    from .run import ALL_METHODS, PEERS, BenchOptions, run_bench
+
+    for name in ("max_new_tokens", "repeats", "threads", "num_prompts"):
+        if getattr(args, name) < 1:
+            raise SpecDeployError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        raise SpecDeployError("--temperature must be >= 0")
+    files = {p.stem: p for p in args.prompts} if args.prompts else shipped_sets()
+    opts = BenchOptions(
+        export=args.out, methods=_list(args.methods, list(dict.fromkeys([*ALL_METHODS, *known_methods()])), "method"),
+        peers=_list(args.peers, PEERS, "peer"), prompt_files=files, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
+        threads=args.threads, seed=args.seed, peers_dir=args.peers_dir or peers.DEFAULT_PEERS_DIR,
+        measure_bandwidth=not args.no_bandwidth, command=_command(args))
+    result = run_bench(opts)
+    plot_path = report.plot(result, args.plot) if args.plot else None
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report.benchmarks_md(result, plot_path, args.markdown))
+    sys.stdout.write(report.markdown_table(result))
+    limit = result["limit"]
+    if limit.get("ceiling_tokens_per_s"):
+        fr = ", ".join(f"{k} {v:.0%}" for k, v in limit.get("ar_fraction", {}).items())
+        print(f"AR bandwidth ceiling: {limit['bandwidth_gbs']} GB/s / {limit['weight_bytes'] / 1e6:.1f} MB = "
+              f"{limit['ceiling_tokens_per_s']:.0f} tokens/s; our AR reaches {fr or '-'}")
+    return 0

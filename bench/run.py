@@ -1,0 +1,357 @@
+"""One benchmark run: plan the rows, start a worker per row, interleave, aggregate.
+
+Fairness rules (the README of the numbers, enforced here):
+- the same prompt token ids for every system (tokenized once, by the export's tokenizer);
+- the same settings: greedy unless --temperature, a fixed max_new_tokens, EOS ignored;
+- the same thread budget for every system (--threads, 2 by default), one generation at a time;
+- interleaved: for each repeat, for each prompt, every system runs (order rotated), so
+  drift in the machine's load hits all systems alike;
+- one warm-up generation per worker, not counted; the median over repeats per prompt.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+from ..runtime.errors import SpecDeployError
+from . import machine
+from . import peers as peerlib
+from .prompts import load_prompts
+from .workers import Worker, WorkerFailed
+
+SYSTEMS = ("specdeploy", "hf", "optimum", "ortgenai")
+ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup")
+PEERS = SYSTEMS[1:]
+# Which of our methods each peer has an equivalent of; the others are reported as skipped.
+PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",), "ortgenai": ("ar", "draft", "prompt-lookup")}
+PEER_GAP = {
+    "hf": "transformers has no {method} mode",
+    "optimum": "ORTModelForCausalLM keeps legacy tuple past_key_values without crop(), which transformers' "
+               "assisted / prompt-lookup generation needs; only plain decoding runs",
+    "ortgenai": "onnxruntime-genai has no {method} mode",
+}
+SETUP_TIMEOUT_S = 900.0  # first use may export the optimum model
+RUN_TIMEOUT_S = 600.0
+# Pause between two systems' runs: the previous worker's idle thread pools (ORT, OpenMP) spin
+# for a moment after a run, and must not steal the next system's cores.
+SETTLE_S = 0.05
+
+
+@dataclass
+class BenchOptions:
+    export: Path
+    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    peers: list[str] = field(default_factory=lambda: list(PEERS))
+    prompt_files: dict[str, Path] = field(default_factory=dict)  # set name -> JSONL
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 3
+    threads: int = 2
+    seed: int = 0
+    peers_dir: Path = peerlib.DEFAULT_PEERS_DIR
+    work_dir: Path = peerlib.REPO_ROOT / "build" / "bench"
+    measure_bandwidth: bool = True
+    command: str = ""
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _prompt_sets(opts: BenchOptions, export) -> dict[str, list[list[int]]]:
+    limit = export.manifest.max_context
+    out = {}
+    for name, path in opts.prompt_files.items():
+        texts = load_prompts(path)[: opts.num_prompts]
+        ids = [export.tokenizer.encode(t) for t in texts]
+        for i, p in enumerate(ids):
+            if len(p) + opts.max_new_tokens > limit:
+                raise SpecDeployError(f"prompt {i} of {path} is {len(p)} tokens; with --max-new-tokens "
+                                      f"{opts.max_new_tokens} it exceeds the export's max context {limit}")
+        out[name] = ids
+    return out
+
+
+def plan(opts: BenchOptions, export) -> tuple[list[tuple[str, str]], list[dict]]:
+    """(system, method) rows to run, and the skipped ones with their reasons."""
+    from ..runtime.methods import known_methods
+
+    rows, skipped = [], []
+    exported = list(export.methods)
+    for method in opts.methods:
+        if method not in known_methods():
+            skipped.append({"system": "specdeploy", "method": method,
+                            "reason": f"this runtime has no method {method!r} yet (has: {', '.join(known_methods())})"})
+        elif method not in exported:
+            skipped.append({"system": "specdeploy", "method": method,
+                            "reason": f"not in this export's manifest (exported: {', '.join(exported)})"})
+        else:
+            rows.append(("specdeploy", method))
+    for peer in opts.peers:
+        reason = peer_unavailable(peer, opts, export)
+        for method in opts.methods:
+            if method not in PEER_METHODS[peer]:
+                skipped.append({"system": peer, "method": method, "reason": PEER_GAP[peer].format(method=method)})
+            elif reason:
+                skipped.append({"system": peer, "method": method, "reason": reason})
+            elif method == "draft" and "draft" not in export.manifest.models:
+                skipped.append({"system": peer, "method": method, "reason": "the export has no draft model"})
+            else:
+                rows.append((peer, method))
+    return rows, skipped
+
+
+def peer_unavailable(peer: str, opts: BenchOptions, export) -> str | None:
+    target = _source(export, "target")
+    if target is None:
+        return "the manifest does not name the target's HF dir (models.target.source), which peers load"
+    if peer in ("hf", "optimum") and find_spec("transformers") is None:
+        return "transformers is not installed (pip install -e '.[export]')"
+    if peer == "optimum" and find_spec("optimum") is None:
+        return "optimum is not installed (pip install -e '.[bench]')"
+    if peer == "ortgenai" and not peerlib.genai_python(opts.peers_dir).exists():
+        return f"no onnxruntime-genai venv at {opts.peers_dir / peerlib.GENAI_VENV}: run `make peers`"
+    return None
+
+
+def _source(export, model: str) -> Path | None:
+    spec = export.manifest.models.get(model)
+    src = getattr(spec, "source", None) if spec is not None else None
+    if src is None and spec is not None:
+        src = (export.manifest.raw.get("models", {}).get(model) or {}).get("source")
+    return Path(src) if src and Path(src).is_dir() else None
+
+
+def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_dirs: dict) -> dict:
+    params = export.methods.get(method) or {}
+    if system != "specdeploy" and not params:  # a peer of a method the export lacks: our defaults
+        from ..runtime.methods import validate_methods
+
+        params = validate_methods({method: {}})[method]
+    setup = {"system": system, "method": method, "threads": opts.threads, "method_params": params,
+             "export": str(opts.export), "target": str(_source(export, "target")),
+             "draft": str(_source(export, "draft")), "peers_dir": str(opts.peers_dir),
+             "vocab_size": export.manifest.models["target"].vocab_size,
+             "pad_token_id": int(export.manifest.tokenizer.get("pad_token_id") or 0)}
+    if system == "ortgenai":
+        setup["model_dir"] = str(genai_dirs["speculative" if method == "draft" else "plain"])
+    return setup
+
+
+def _start_workers(rows, opts, export, skipped) -> list[Worker]:
+    genai_dirs: dict = {}
+    if any(s == "ortgenai" for s, _ in rows):
+        try:
+            draft = _source(export, "draft") if any(r == ("ortgenai", "draft") for r in rows) else None
+            genai_dirs = peerlib.genai_model_dirs(_source(export, "target"), draft, opts.peers_dir, progress=_say)
+        except (SpecDeployError, OSError) as exc:
+            for row in [r for r in rows if r[0] == "ortgenai"]:
+                skipped.append({"system": row[0], "method": row[1], "reason": str(exc)})
+            rows = [r for r in rows if r[0] != "ortgenai"]
+    launched = []
+    _say(f"starting {len(rows)} workers: {', '.join(f'{s}/{m}' for s, m in rows)}")
+    for system, method in rows:
+        w = Worker(system, method, _setup_message(system, method, opts, export, genai_dirs),
+                   opts.work_dir / "logs" / f"{system}-{method}.log", opts.peers_dir)
+        try:
+            w.launch()
+            launched.append(w)
+        except (WorkerFailed, OSError) as exc:
+            w.close()
+            skipped.append({"system": system, "method": method, "reason": f"could not start: {exc}"})
+    workers = []
+    for w in launched:  # they load in parallel; collect in order
+        try:
+            w.ready(SETUP_TIMEOUT_S)
+            workers.append(w)
+        except WorkerFailed as exc:
+            w.close()
+            skipped.append({"system": w.system, "method": w.method, "reason": f"could not start: {exc}"})
+            _say(f"  {w.label} unavailable: {exc}")
+    return workers
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    from ..runtime.export_dir import Export
+
+    export = Export(opts.export, backend="ort-cpu")  # manifest + tokenizer; no session is opened here
+    sets = _prompt_sets(opts, export)
+    rows, skipped = plan(opts, export)
+    info = machine.describe()
+    bandwidth = None
+    if opts.measure_bandwidth:  # before any worker loads, so nothing of ours competes with it
+        _say("measuring memory bandwidth ...")
+        bandwidth = machine.measure_bandwidth()
+    workers = _start_workers(rows, opts, export, skipped)
+    if not workers:
+        raise SpecDeployError("no system could run: " + "; ".join(f"{s['system']}/{s['method']}: {s['reason']}"
+                                                                   for s in skipped))
+    samples: dict[tuple, list[dict]] = {}
+    failed: dict[str, str] = {}
+    try:
+        _warm_up(workers, sets, opts, failed)
+        _interleave(workers, sets, opts, samples, failed)
+    finally:
+        for w in workers:
+            w.close()
+    for w in workers:
+        if w.label in failed:
+            skipped.append({"system": w.system, "method": w.method, "reason": f"failed while running: {failed[w.label]}"})
+    live = [w for w in workers if w.label not in failed]
+    return _aggregate(live, sets, samples, skipped, opts, export, info, bandwidth)
+
+
+def _request(ids: list[int], opts: BenchOptions) -> dict:
+    return {"op": "run", "prompt_ids": ids, "max_new_tokens": opts.max_new_tokens,
+            "temperature": opts.temperature, "seed": opts.seed}
+
+
+def _warm_up(workers, sets, opts, failed) -> None:
+    first = next(iter(sets.values()))[0]
+    _say(f"warm-up: one generation per worker ({len(workers)} workers), not counted")
+    for w in workers:
+        try:
+            w.call(_request(first, opts), RUN_TIMEOUT_S)
+        except WorkerFailed as exc:
+            failed[w.label] = str(exc)
+            _say(f"  {w.label} failed in warm-up: {exc}")
+
+
+def _interleave(workers, sets, opts, samples, failed) -> None:
+    total = opts.repeats * sum(len(v) for v in sets.values())
+    done = 0
+    for rep in range(opts.repeats):
+        for set_name, prompts in sets.items():
+            for i, ids in enumerate(prompts):
+                live = [w for w in workers if w.label not in failed]
+                shift = (rep + i) % max(1, len(live))
+                order = live[shift:] + live[:shift]  # rotate who goes first: no system always runs cold
+                parts = []
+                for w in order:
+                    time.sleep(SETTLE_S)
+                    try:
+                        reply = w.call(_request(ids, opts), RUN_TIMEOUT_S)
+                    except WorkerFailed as exc:
+                        failed[w.label] = str(exc)
+                        w.kill()
+                        _say(f"  {w.label} failed: {exc}")
+                        continue
+                    samples.setdefault((set_name, w.label, i), []).append(reply)
+                    n = len(reply["token_ids"])
+                    parts.append(f"{w.label} {n / reply['seconds']:.0f}" if reply["seconds"] > 0 else w.label)
+                done += 1
+                _say(f"[{done}/{total}] repeat {rep + 1}/{opts.repeats} {set_name} {i + 1}/{len(prompts)}  "
+                     + "  ".join(sorted(parts)) + "  tok/s")
+
+
+def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -> dict:
+    greedy = opts.temperature == 0
+    labels = [w.label for w in workers]
+    ref_label = next((f"{s}/ar" for s in SYSTEMS if f"{s}/ar" in labels), None)
+    results, per_prompt = [], []
+    for set_name, prompts in sets.items():
+        reference = {i: samples[(set_name, ref_label, i)][0]["token_ids"] for i in range(len(prompts))} \
+            if ref_label and greedy else {}
+        for w in workers:
+            seconds, new_tokens, calls, mismatched, unstable = 0.0, 0, 0, [], 0
+            calls_known = True
+            for i in range(len(prompts)):
+                runs = samples.get((set_name, w.label, i), [])
+                if not runs:
+                    continue
+                med = statistics.median(r["seconds"] for r in runs)
+                toks = runs[0]["token_ids"]
+                seconds += med
+                new_tokens += len(toks)
+                if runs[0].get("target_calls") is None:
+                    calls_known = False
+                else:
+                    calls += runs[0]["target_calls"]
+                if greedy and any(r["token_ids"] != toks for r in runs[1:]):
+                    unstable += 1
+                if i in reference and toks != reference[i]:
+                    diff = next((j for j, (a, b) in enumerate(zip(toks, reference[i])) if a != b),
+                                min(len(toks), len(reference[i])))
+                    mismatched.append({"prompt": i, "first_diff": diff, "tokens": len(toks)})
+                per_prompt.append({"prompt_set": set_name, "system": w.system, "method": w.method, "prompt": i,
+                                   "prompt_tokens": len(prompts[i]), "new_tokens": len(toks), "median_s": med,
+                                   "seconds": [r["seconds"] for r in runs], "target_calls": runs[0].get("target_calls"),
+                                   "token_ids": toks})
+            if not new_tokens:
+                continue
+            results.append({
+                "prompt_set": set_name, "system": w.system, "method": w.method,
+                "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+                "ms_per_token": 1000.0 * seconds / new_tokens,
+                "acceptance_length": (new_tokens / calls) if calls_known and calls else None,
+                "new_tokens": new_tokens, "prompts": len(prompts), "seconds": seconds,
+                "target_calls": calls if calls_known else None,
+                "peak_rss_mb": round(w.peak_rss_mb, 1),
+                "mismatches": len(mismatched) if reference else None,
+                "mismatch_detail": mismatched, "nondeterministic_prompts": unstable,
+                "info": w.info,
+            })
+    limit = _limit(results, export, bandwidth)
+    _derive(results, limit)
+    return {
+        "meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": opts.command,
+                 "export": str(opts.export), "prompt_sets": {k: {"file": str(v), "prompts": len(sets[k]),
+                                                                 "prompt_tokens": [len(p) for p in sets[k]]}
+                                                             for k, v in opts.prompt_files.items()},
+                 "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature, "greedy": greedy,
+                 "ignore_eos": True, "repeats": opts.repeats, "warmup": 1, "statistic": "median of repeats per prompt",
+                 "threads": opts.threads, "reference": ref_label, "methods": export.methods,
+                 "versions": _versions()},
+        "machine": info, "limit": limit, "results": results, "skipped": skipped, "per_prompt": per_prompt,
+    }
+
+
+def _limit(results, export, bandwidth) -> dict:
+    """Bandwidth-bound ceiling of AR: every target weight is read once per token."""
+    src = _source(export, "target")
+    params = machine.safetensors_param_count(src) if src else None
+    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(export.manifest.dtype, 4)
+    out = {"target_params": params, "dtype": export.manifest.dtype, "bandwidth": bandwidth}
+    if params and bandwidth:
+        out["weight_bytes"] = params * dtype_bytes
+        out["bandwidth_gbs"] = bandwidth["read_gbs"]
+        out["ceiling_tokens_per_s"] = bandwidth["read_gbs"] * 1e9 / out["weight_bytes"]
+        out["ar_fraction"] = {r["prompt_set"]: r["tokens_per_s"] / out["ceiling_tokens_per_s"]
+                              for r in results if r["system"] == "specdeploy" and r["method"] == "ar"}
+    return out
+
+
+def _derive(results, limit) -> None:
+    """Speedups over the best AR of the prompt set and over the row's own system's AR; efficiency."""
+    for set_name in {r["prompt_set"] for r in results}:
+        rows = [r for r in results if r["prompt_set"] == set_name]
+        ars = {r["system"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+        best_ar = max(ars.values(), default=None)
+        for r in rows:
+            r["speedup"] = r["tokens_per_s"] / best_ar if best_ar else None
+            own = ars.get(r["system"])
+            r["speedup_vs_own_ar"] = r["tokens_per_s"] / own if own else None
+            # the share of the ideal speedup (one target call per accepted token) that survives overheads
+            al = r["acceptance_length"]
+            r["efficiency"] = r["speedup_vs_own_ar"] / al if r["speedup_vs_own_ar"] and al else None
+            ceiling = limit.get("ceiling_tokens_per_s")
+            r["ceiling_fraction"] = r["tokens_per_s"] / ceiling if ceiling else None
+
+
+def _versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("numpy", "onnxruntime", "tokenizers", "torch", "transformers", "optimum", "optimum-onnx"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,137 @@
+"""One (system, method) per process: `python -m specdeploy.bench.worker`, driven by bench/run.py.
+
+A process per row keeps each row's peak RSS its own, keeps torch out of our
+runtime's process (the specdeploy worker never imports it, and says so), and lets
+a crashing peer fail alone.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .protocol import serve
+
+
+class Specdeploy:
+    """Our runtime through its public API (Generation.result()), EOS ignored."""
+
+    def __init__(self, setup: dict):
+        from ..runtime.export_dir import Export
+
+        self.export = Export(setup["export"], backend="ort-cpu", threads=setup["threads"])
+        self.method = setup["method"]
+        self.export.method_params(self.method)  # not exported -> a clear error now, not mid-run
+        self.info = {"method_params": self.export.methods[self.method]}
+
+    def run(self, req: dict):
+        from ..runtime.generate import generate
+        from ..runtime.sampling import SamplingParams
+
+        params = SamplingParams(req["temperature"], seed=req.get("seed"))
+        res = generate(self.export, req["prompt_ids"], method=self.method, params=params,
+                       max_new_tokens=req["max_new_tokens"], ignore_eos=True)
+        # checked after the first run too: lazy imports would show up only then
+        self.info["torch_imported"] = "torch" in sys.modules or "transformers" in sys.modules
+        return res.token_ids, res.stats["target_calls"]
+
+
+def _counting(model):
+    """Wrap model.forward to count target calls (HF inspects forward's signature: keep it)."""
+    import functools
+
+    orig = model.forward
+    counter = [0]
+
+    @functools.wraps(orig)
+    def forward(*args, **kwargs):
+        counter[0] += 1
+        return orig(*args, **kwargs)
+
+    model.forward = forward
+    return counter
+
+
+class HFGenerate:
+    """transformers `generate` on a PyTorch model (hf) or an optimum ORTModelForCausalLM (optimum)."""
+
+    def __init__(self, setup: dict):
+        import torch
+
+        threads = setup["threads"]
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # already set in this process
+            pass
+        self.torch = torch
+        method, params = setup["method"], setup.get("method_params") or {}
+        if setup["system"] == "hf":
+            self.model = self._torch_model(setup["target"])
+        else:
+            self.model = self._optimum_model(setup, threads)
+        # EOS ignored, identically for every peer: an id the model cannot emit never stops
+        # generation (eos_token_id=None breaks transformers' prompt-lookup path).
+        self.kwargs = {"do_sample": False, "eos_token_id": setup["vocab_size"], "pad_token_id": setup["pad_token_id"]}
+        if method == "draft":
+            assistant = self._torch_model(setup["draft"])
+            gc = assistant.generation_config
+            gc.num_assistant_tokens = params["k"]  # our draft k, fixed: same work per step as ours
+            gc.num_assistant_tokens_schedule = "constant"
+            gc.assistant_confidence_threshold = 0.0
+            self.kwargs["assistant_model"] = assistant
+        elif method == "prompt-lookup":
+            self.kwargs["prompt_lookup_num_tokens"] = params["k"]
+            self.kwargs["max_matching_ngram_size"] = params["max_ngram"]
+        elif method != "ar":
+            raise ValueError(f"{setup['system']} has no method {method!r}")
+        self.calls = _counting(self.model)
+        import transformers
+
+        self.info = {"transformers": transformers.__version__, "torch": torch.__version__,
+                     "attn_implementation": getattr(self.model.config, "_attn_implementation", None)}
+
+    def _torch_model(self, path):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=self.torch.float32).eval()
+
+    def _optimum_model(self, setup, threads):
+        import onnxruntime as ort
+        from optimum.onnxruntime import ORTModelForCausalLM
+
+        from .peers import optimum_model_dir
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        path = optimum_model_dir(setup["target"], setup["peers_dir"], build=True)
+        return ORTModelForCausalLM.from_pretrained(path, session_options=so, provider="CPUExecutionProvider")
+
+    def run(self, req: dict):
+        torch = self.torch
+        ids = torch.tensor([req["prompt_ids"]], dtype=torch.int64)
+        kwargs = dict(self.kwargs)
+        if req["temperature"] > 0:
+            kwargs.update(do_sample=True, temperature=req["temperature"], top_k=0, top_p=1.0)
+            torch.manual_seed(req.get("seed") or 0)
+        self.calls[0] = 0
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req["max_new_tokens"],
+                                      **kwargs)
+        new = out[0, ids.shape[1]:].tolist()
+        # transformers' prompt lookup can append a token past max_new_tokens: the extra is cut, never counted
+        return new[: req["max_new_tokens"]], self.calls[0]
+
+
+def make_system(setup: dict):
+    system = setup.get("system")
+    if system == "specdeploy":
+        return Specdeploy(setup)
+    if system in ("hf", "optimum"):
+        return HFGenerate(setup)
+    raise ValueError(f"unknown system {system!r}")
+
+
+if __name__ == "__main__":
+    serve(make_system)

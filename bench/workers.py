@@ -1,0 +1,105 @@
+"""The orchestrator's side of a worker process: start it, ask it, read its answer, stop it."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+from ..runtime.errors import SpecDeployError
+from . import peers
+
+
+class WorkerFailed(SpecDeployError):
+    pass
+
+
+def thread_env(threads: int) -> dict:
+    """Every system gets the same thread budget; these cover the libraries that read env vars."""
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **peers.OFFLINE_ENV}
+    return env
+
+
+class Worker:
+    def __init__(self, system: str, method: str, setup: dict, log_path: Path, peers_dir: Path):
+        self.system, self.method, self.setup = system, method, setup
+        self.label = f"{system}/{method}"
+        self.log_path = log_path
+        if system == "ortgenai":
+            self.argv = [str(peers.genai_python(peers_dir)), str(peers.RUNNER)]
+            base = peers.genai_env()
+        else:
+            self.argv = [sys.executable, "-m", "specdeploy.bench.worker"]
+            base = dict(os.environ)
+        self.env = {**base, **thread_env(setup["threads"])}
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+        self.peak_rss_mb = 0.0
+
+    def launch(self) -> None:
+        """Start the process and send its setup; `ready()` collects the answer (so workers load in parallel)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=self.env, bufsize=1)
+        self._send({"op": "setup", **self.setup})
+
+    def ready(self, timeout: float) -> None:
+        self._receive(timeout)
+
+    def call(self, msg: dict, timeout: float) -> dict:
+        self._send(msg)
+        return self._receive(timeout)
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise WorkerFailed(self._death()) from None
+
+    def _receive(self, timeout: float) -> dict:
+        proc = self.proc
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            self.kill()
+            raise WorkerFailed(f"no answer within {timeout:.0f} s")
+        line = proc.stdout.readline()
+        if not line:
+            raise WorkerFailed(self._death())
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise WorkerFailed(reply.get("error") or "failed")
+        self.peak_rss_mb = max(self.peak_rss_mb, float(reply.get("peak_rss_mb") or 0))
+        self.info.update(reply.get("info") or {})
+        return reply
+
+    def _death(self) -> str:
+        try:
+            rc = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            rc = "killed"
+        self._log.flush()
+        lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        return f"worker exited ({rc}): {lines[-1][:300] if lines else 'no output'} (log: {self.log_path})"
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        if getattr(self, "_log", None):
+            self._log.close()

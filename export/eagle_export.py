@@ -1,0 +1,127 @@
+"""EAGLE head -> static-T `eagle_draft` graphs with their own KV cache (I/O: runtime/drafters/eagle_head.py).
+
+Hooked into export_all through `extra_models`; the target's verify graph size comes
+from VERIFY_TOKENS["eagle"], and EAGLE-3 makes the target graphs output the three
+feature layers (`target_feature_layers`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..runtime.drafters.eagle import graph_plan
+from ..runtime.errors import SpecDeployError
+from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
+from .onnx_writer import SharedWeights, export_module
+from .reference import random_tree_mask, run_torch, save_reference
+
+
+class EagleDraftGraph(nn.Module):
+    """forward(input_ids, features, position_ids, tree_mask, *past) -> topk_logprobs, topk_ids, hidden, *presents."""
+
+    def __init__(self, head: EagleHead, top_k: int):
+        super().__init__()
+        self.head, self.top_k = head, top_k
+        self.dtype = head.fc.weight.dtype
+
+    def forward(self, input_ids, features, position_ids, tree_mask, *past):
+        h, presents = self.head.step(input_ids, features.to(self.dtype), position_ids, tree_mask, past)
+        logp = torch.log_softmax(self.head.logits(h).float(), dim=-1)
+        values, idx = torch.topk(logp, self.top_k, dim=-1)
+        return (values, self.head.to_target_ids(idx), h.float(), *presents)
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "features", "position_ids", "tree_mask"]
+    outputs = ["topk_logprobs", "topk_ids", "hidden"]
+    for i in range(num_layers):
+        inputs += [f"past_key.{i}", f"past_value.{i}"]
+        outputs += [f"present_key.{i}", f"present_value.{i}"]
+    return inputs, outputs
+
+
+def head_spec(head: EagleHead, top_k: int, feature_layers) -> dict:
+    spec = {
+        "architecture": f"EAGLE{head.version}Head", "model_type": "eagle", "eagle_version": head.version,
+        "num_layers": head.num_layers, "num_heads": head.num_heads, "num_kv_heads": head.num_kv_heads,
+        "head_dim": head.head_dim, "hidden_size": head.hidden_size, "vocab_size": head.target_vocab,
+        "draft_vocab_size": head.draft_vocab, "feature_dim": head.feature_dim, "top_k": top_k,
+        "source": getattr(head, "source", ""),
+    }
+    if feature_layers:
+        spec["target_feature_layers"] = list(feature_layers)
+    return spec
+
+
+def sample_feeds(t: int, width: int, past: int, draft_rows: int, head: EagleHead, seed: int) -> dict:
+    """Plausible inputs: features of unit scale, a random tree over draft rows + new rows."""
+    rng = np.random.default_rng(seed)
+    np_dtype = torch.empty((), dtype=head.fc.weight.dtype).numpy().dtype
+    s = draft_rows + t
+    mask = np.zeros((1, t, s), bool)
+    mask[0, :, :draft_rows] = rng.random((t, draft_rows)) < 0.5
+    mask[0, :, draft_rows:] = random_tree_mask(t, rng)
+    feeds = {
+        "input_ids": rng.integers(0, head.target_vocab, (1, t), dtype=np.int64),
+        "features": rng.standard_normal((1, t, width)).astype(np.float32),
+        "position_ids": (past + np.arange(t, dtype=np.int64))[None],
+        "tree_mask": mask,
+    }
+    for i in range(head.num_layers):
+        for kind in ("key", "value"):
+            feeds[f"past_{kind}.{i}"] = rng.standard_normal((1, past, head.num_kv_heads, head.head_dim)).astype(np_dtype)
+    return feeds
+
+
+def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int, progress) -> dict:
+    """One graph per (feature width, T); returns the manifest's graph entries."""
+    wrapper = EagleDraftGraph(head, plan["top_k"]).eval()
+    weights = SharedWeights(out, "weights/eagle.bin")
+    inputs, outputs = io_names(head.num_layers)
+    dynamic = {n: {1: "past_len"} for n in inputs if n.startswith("past_")}
+    dynamic["tree_mask"] = {2: "mask_len"}
+    wanted = {(head.feature_dim, t) for t in plan["catchup"]} | {(head.hidden_size, t) for t in plan["expand"]}
+    graphs = {}
+    for width, t in sorted(wanted):
+        name = f"eagle_t{t}" if width == head.hidden_size else f"eagle_f{width}_t{t}"
+        start = time.perf_counter()
+        feeds = sample_feeds(t, width, 5, 2, head, seed=t)
+        args = [torch.from_numpy(feeds[n]) for n in inputs]
+        export_module(wrapper, args, out / f"{name}.onnx", inputs, outputs, dynamic, weights)
+        ref = sample_feeds(t, width, min(29, max_context - t - 3), 3, head, seed=2000 + t)
+        save_reference(out, name, ref, run_torch(wrapper, ref, inputs, outputs))
+        graphs[name] = {"file": f"{name}.onnx", "model": "eagle", "kind": "eagle_draft", "tokens": t, "features": width}
+        progress(f"  exported {name}.onnx (T={t}, features {width}) in {time.perf_counter() - start:.1f}s")
+    return graphs
+
+
+class EagleExport:
+    """`--eagle DIR`: loaded and checked before the target is exported (EAGLE-3 changes the
+    target graphs: they output three layers' features), its graphs exported after."""
+
+    def __init__(self, head_dir: Path):
+        self.head_dir = Path(head_dir)
+        self.head: EagleHead | None = None
+        self.feature_layers: tuple[int, ...] = ()
+
+    def prepare(self, target_model, progress) -> tuple[int, ...]:
+        progress(f"loading EAGLE head from {self.head_dir}")
+        self.head = load_eagle_head(self.head_dir, target_model, target_model.dtype)
+        if self.head.version == 3:
+            self.feature_layers = eagle3_feature_layers(target_model.config.num_hidden_layers, self.head.aux_layer_ids)
+        return self.feature_layers
+
+    def __call__(self, ctx: dict) -> None:
+        if "eagle" not in ctx["methods"]:
+            raise SpecDeployError("--eagle was given but the config has no methods.eagle")
+        head = self.head
+        plan = graph_plan(ctx["methods"]["eagle"], ctx["cfg"]["prefill_chunk"])
+        if plan["top_k"] > head.draft_vocab:
+            raise SpecDeployError(f"eagle.top_k {plan['top_k']} exceeds the head's vocabulary of {head.draft_vocab}")
+        ctx["models"]["eagle"] = head_spec(head, plan["top_k"], self.feature_layers)
+        ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"]["max_context"], ctx["progress"]))

@@ -1,0 +1,330 @@
+"""Train an EAGLE-1/2 head on a frozen target; write SafeAILab's published layout.
+
+The head reads (token at position i+1, target feature at position i) and regresses
+the target feature at position i+1 (smooth L1, EAGLE's feature loss), plus a token
+loss: cross-entropy of the target's LM head applied to the predicted feature against
+the target's own next-token distribution (self-distillation: the head learns what
+verification will accept). Features are the target's final hidden states (after
+its final norm); the target, its embeddings and its LM head stay frozen. Inputs get
+uniform noise, EAGLE's augmentation for drafting from its own (imperfect) features.
+
+Training sequences mix windows of the train split and the target's own greedy
+continuations of train-split prompts (the text a greedy run actually drafts on).
+The target is frozen, so its features are computed once; steps run only the head.
+
+    python -m specdeploy.export.eagle_train --target DIR --out DIR [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime.errors import SpecDeployError
+from . import corpus
+from .eagle_heads import EagleHead, new_head, save_head
+from .hf_loading import load_causal_lm, read_hf_config
+
+Progress = Callable[[str], None]
+TRAIN_FORMAT = 1  # bump when the recipe changes in a way the spec hash cannot see
+
+
+@dataclass(frozen=True)
+class EagleTrainSpec:
+    steps: int = 300
+    batch: int = 8  # sequences per step
+    lr: float = 2e-3
+    warmup: int = 20
+    token_weight: float = 0.5  # token loss weight next to the feature loss (upstream: 0.1)
+    # Share of the token loss against the target's argmax (the rest: its full distribution).
+    # Greedy acceptance is argmax agreement; a head trained on it is confident exactly where
+    # greedy drafts get accepted, which is what EAGLE-2 ranks its dynamic tree by.
+    hard_share: float = 1.0
+    noise: float = 0.2  # uniform noise amplitude on input features
+    data_windows: int = 96  # train-split windows the target reads
+    gen_prompts: int = 64  # train-split prompts the target continues greedily
+    prompt_len: int = 16
+    gen_tokens: int = 112
+    eval_windows: int = 16
+    eval_prompts: int = 16
+    bf16: bool = False
+    threads: int = 2
+    seed: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_tokens
+
+    def config_hash(self) -> str:
+        blob = json.dumps({"format": TRAIN_FORMAT, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# Sized for the budgets on a 2-core CPU: micro <= 20 s, default <= 3 minutes.
+PRESETS = {
+    # The micro target is close to noise: its full distribution teaches the tiny head more than its argmax.
+    "micro": EagleTrainSpec(steps=400, batch=8, lr=3e-3, hard_share=0.0, data_windows=48, gen_prompts=32,
+                            gen_tokens=80, eval_windows=8, eval_prompts=8, threads=1),
+    "default": EagleTrainSpec(steps=300, batch=8, lr=2e-3, data_windows=160, gen_prompts=96, gen_tokens=112,
+                              bf16=True),
+}
+
+
+# ---------------------------------------------------------------- data
+
+
+def _tokenizer(target_dir: Path):
+    from tokenizers import Tokenizer
+
+    path = Path(target_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise SpecDeployError(f"{target_dir} has no tokenizer.json (needed to tokenize the training text)")
+    return Tokenizer.from_file(str(path))
+
+
+def _stream(tok, texts, eos: int | None, max_tokens: int) -> torch.Tensor:
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tok.encode(text, add_special_tokens=False).ids)
+        if eos is not None:
+            ids.append(eos)
+        if len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens], dtype=torch.int64)
+
+
+def _windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    if stream.numel() <= length:
+        raise SpecDeployError(f"corpus too small: {stream.numel()} tokens for windows of {length}")
+    starts = torch.randint(0, stream.numel() - length, (count,), generator=gen)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def _greedy(target, prompts: torch.Tensor, new_tokens: int, batch: int = 32) -> torch.Tensor:
+    out = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        out.append(target.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def _features(target, seqs: torch.Tensor, bf16: bool, batch: int = 16) -> torch.Tensor:
+    """The target's final hidden states (after its final norm): [N, L, H] float32."""
+    parts = []
+    for i in range(0, len(seqs), batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            parts.append(target.model(input_ids=seqs[i : i + batch]).last_hidden_state.float())
+    return torch.cat(parts)
+
+
+# ---------------------------------------------------------------- head forward
+
+
+def head_predict(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced head over whole sequences: row i reads (x[i+1], f[i]) -> predicted f[i+1].
+
+    [B, L] tokens, [B, L, H] features -> [B, L-1, H].
+    """
+    b, n = seqs.shape[0], seqs.shape[1] - 1
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool)).expand(b, n, n)
+    positions = torch.arange(n).expand(b, n)
+    past = [torch.zeros(b, 0, head.num_kv_heads, head.head_dim)] * (2 * head.num_layers)
+    pred, _ = head.step(seqs[:, 1:], feats[:, :-1], positions, causal, past)
+    return pred
+
+
+def _lr(step: int, spec: EagleTrainSpec) -> float:
+    if step < spec.warmup:
+        return spec.lr * (step + 1) / spec.warmup
+    t = (step - spec.warmup) / max(spec.steps - spec.warmup, 1)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: EagleTrainSpec,
+               progress: Progress) -> dict:
+    params = [p for n, p in head.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    lm_head = head.target_lm_head
+    start, running = time.perf_counter(), None
+    log_every = max(spec.steps // 10, 1)
+    head.train()
+    for step in range(spec.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, spec)
+        idx = torch.randint(0, len(seqs), (spec.batch,), generator=gen)
+        s, f = seqs[idx], feats[idx]
+        noisy = f + (torch.rand(f.shape, generator=gen) - 0.5) * spec.noise
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.bf16):
+            pred = head_predict(head, s, noisy)
+            logits = lm_head(pred)
+            with torch.no_grad():
+                teacher = F.softmax(lm_head(f[:, 1:]).float(), -1)
+        feat_loss = F.smooth_l1_loss(pred.float(), f[:, 1:])
+        logq = F.log_softmax(logits.float(), -1)
+        soft = -(teacher * logq).sum(-1).mean()
+        hard = F.nll_loss(logq.flatten(0, 1), teacher.argmax(-1).flatten())
+        token_loss = spec.hard_share * hard + (1 - spec.hard_share) * soft
+        loss = feat_loss + spec.token_weight * token_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == spec.steps:
+            progress(f"[eagle] step {step + 1}/{spec.steps} loss {running:.3f} (feature {feat_loss.item():.3f}, "
+                     f"token {token_loss.item():.3f}) {time.perf_counter() - start:.1f}s")
+    head.eval()
+    return {"steps": spec.steps, "seconds": round(time.perf_counter() - start, 1), "final_loss": round(running, 4)}
+
+
+@torch.no_grad()
+def head_accuracy(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, top: int = 4) -> dict:
+    """Top-1 (and top-`top`) agreement of the head's next token with the target's, teacher-forced."""
+    pred = head_predict(head, seqs, feats)
+    mine = head.target_lm_head(pred)
+    theirs = head.target_lm_head(feats[:, 1:]).argmax(-1)
+    top1 = (mine.argmax(-1) == theirs).float().mean().item()
+    topk = (mine.topk(top, -1).indices == theirs[..., None]).any(-1).float().mean().item()
+    return {"positions": theirs.numel(), "top1": round(top1, 4), f"top{top}": round(topk, 4)}
+
+
+# ---------------------------------------------------------------- build
+
+
+def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress: Progress = print,
+                fmt: str = "safetensors") -> dict:
+    """Train a head for the target in `target_dir`; write the EAGLE-1/2 layout to `out_dir`."""
+    t0 = time.perf_counter()
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    cfg = read_hf_config(target_dir)
+    target = load_causal_lm(target_dir, "float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tok = _tokenizer(target_dir)
+    eos = cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    gen = torch.Generator().manual_seed(spec.seed)
+    length = spec.seq_len
+    train_stream = _stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 11), eos,
+                           (spec.data_windows + spec.gen_prompts + 8) * length * 4)
+    heldout_stream = _stream(tok, corpus.iter_texts("heldout"), eos,
+                             (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    data = _windows(train_stream, spec.data_windows, length, gen)
+    generated = _greedy(target, _windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    seqs = torch.cat([data, generated])
+    feats = _features(target, seqs, spec.bf16)
+    progress(f"[eagle] target features for {seqs.numel():,} positions ({len(generated)} greedy continuations) "
+             f"in {time.perf_counter() - t0:.1f}s")
+
+    head = new_head(1, target, seed=spec.seed)
+    for p in (*head.embed_tokens.parameters(), *head.target_lm_head.parameters()):
+        p.requires_grad_(False)
+    run = train_head(head, seqs, feats, spec, progress)
+
+    eval_text = _windows(heldout_stream, spec.eval_windows, length, gen)
+    eval_greedy = _greedy(target, _windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    accuracy = {
+        "heldout_text": head_accuracy(head, eval_text, _features(target, eval_text, False)),
+        "heldout_greedy": head_accuracy(head, eval_greedy, _features(target, eval_greedy, False)),
+    }
+    for what, acc in accuracy.items():
+        progress(f"[eagle] held-out top-1 vs the target's next token ({what}): {acc['top1']:.3f} (top-4 {acc['top4']:.3f})")
+    meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "accuracy": accuracy,
+            "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
+    # Write beside, then swap in: an interrupted run never leaves a directory that looks finished.
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_head(head, target.config, tmp, fmt)
+    (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    progress(f"[eagle] head written to {out_dir} in {meta['seconds']:.1f}s")
+    return meta
+
+
+def _cached(out_dir: Path, spec: EagleTrainSpec, target_hash: str | None) -> dict | None:
+    meta_path = Path(out_dir) / "train.json"
+    if not meta_path.is_file() or not (Path(out_dir) / "config.json").is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if meta.get("train_hash") != spec.config_hash() or meta.get("target_hash") != target_hash:
+        return None
+    return meta
+
+
+def build_eagle_head(family_dir: Path, preset: str, progress: Progress = print) -> dict:
+    """A head for a built family's target, cached in <family_dir>/eagle (redone when the
+    preset's training spec or the family's config hash changes). Returns train.json."""
+    if preset not in PRESETS:
+        raise SpecDeployError(f"unknown EAGLE preset {preset!r}; expected one of {sorted(PRESETS)}")
+    family_dir = Path(family_dir)
+    fam_path = family_dir / "family.json"
+    if not fam_path.is_file():
+        raise SpecDeployError(f"{family_dir} is not a finished family build (no family.json): build the family first")
+    target_hash = json.loads(fam_path.read_text()).get("config_hash")
+    spec, out = PRESETS[preset], family_dir / "eagle"
+    cached = _cached(out, spec, target_hash)
+    if cached is not None:
+        progress(f"[eagle] {preset}: reusing {out} (train {spec.config_hash()})")
+        return cached
+    meta = train_eagle(family_dir / "target", out, spec, progress)
+    meta["target_hash"] = target_hash
+    (out / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Train an EAGLE-1/2 head (frozen target, feature + token loss).")
+    p.add_argument("--target", type=Path, help="HF model directory of the target")
+    p.add_argument("--out", type=Path, help="output directory (SafeAILab EAGLE-1/2 layout)")
+    p.add_argument("--family", type=Path, help="a built family dir instead: head cached in FAMILY/eagle")
+    p.add_argument("--steps", type=int, help="training steps (default: the preset's)")
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="data and step budget")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "bin"])
+    args = p.parse_args(argv)
+    if (args.family is None) == (args.target is None or args.out is None):
+        p.error("give either --family DIR or both --target and --out")
+    if args.family is not None:
+        try:
+            meta = build_eagle_head(args.family, args.preset, lambda m: print(m, flush=True))
+        except SpecDeployError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(meta["accuracy"]))
+        return 0
+    spec = PRESETS[args.preset]
+    if args.steps is not None:
+        if args.steps < 1:
+            p.error("--steps must be >= 1")
+        spec = replace(spec, steps=args.steps, warmup=min(spec.warmup, max(args.steps // 5, 1)))
+    try:
+        meta = train_eagle(args.target, args.out, spec, lambda m: print(m, flush=True), args.format)
+    except SpecDeployError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(meta["accuracy"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""`--medusa DIR` (+ `--tree NAME|FILE`): the Medusa heads graph beside the target's graphs.
+
+Graph `medusa_heads` (kind "medusa_heads", static shapes):
+  in  `hidden`        float32 [1, H]  the target's final hidden state (after the final norm)
+  out `topk_ids`      int64   [num_heads, K]  each head's K best tokens, best first
+  out `topk_logprobs` float32 [num_heads, K]  their log-probabilities
+K is the tree's largest rank + 1 (or methods.medusa.top_k). The target's verify graph
+is sized to the tree by VERIFY_TOKENS["medusa"]; the manifest's methods.medusa keeps
+the tree's paths, so the runtime needs nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..runtime.drafters.medusa import GRAPH_KIND
+from ..runtime.errors import SpecDeployError
+from .medusa_heads import MedusaHeads, load_heads
+from .onnx_writer import SharedWeights, export_module
+from .reference import run_torch, save_reference
+
+GRAPH_NAME = "medusa_heads"
+INPUTS, OUTPUTS = ["hidden"], ["topk_ids", "topk_logprobs"]
+
+
+class MedusaHeadsGraph(nn.Module):
+    def __init__(self, heads: MedusaHeads, num_heads: int, top_k: int):
+        super().__init__()
+        self.heads = nn.ModuleList(heads.heads[:num_heads])
+        self.top_k = top_k
+
+    def forward(self, hidden):
+        logits = torch.cat([head(hidden) for head in self.heads], 0)  # [num_heads, V]
+        values, ids = torch.topk(torch.log_softmax(logits.float(), -1), self.top_k, dim=-1)
+        return ids, values
+
+
+class MedusaExport:
+    """Heads loaded and checked against the target before any graph is written; the heads
+    graph is exported through export_all's extra-model step."""
+
+    def __init__(self, heads_dir: Path, tree: str | None = None):
+        self.heads_dir = Path(heads_dir)
+        self.tree = tree
+        self.heads: MedusaHeads | None = None
+
+    def method_config(self, params: dict) -> dict:
+        """methods.medusa with `--tree` applied (a new tree means a new K unless top_k is set)."""
+        params = dict(params or {})
+        if self.tree is not None:
+            params["tree"] = self.tree
+            params.pop("tree_paths", None)
+        return params
+
+    def prepare(self, target_cfg: dict, methods: dict, progress) -> None:
+        progress(f"loading Medusa heads from {self.heads_dir}")
+        self.heads = load_heads(self.heads_dir, target_cfg["hidden_size"], target_cfg["vocab_size"])
+        params = methods["medusa"]
+        if params["heads"] > self.heads.num_heads:
+            # Use the heads there are when the tree allows it (config says "at most").
+            depth = max(len(p) for p in params["tree_paths"]["paths"])
+            if depth > self.heads.num_heads:
+                raise SpecDeployError(
+                    f"medusa tree {params['tree_paths']['name']!r} is {depth} levels deep but {self.heads_dir} "
+                    f"has {self.heads.num_heads} heads")
+            params["heads"] = self.heads.num_heads
+
+    def __call__(self, ctx: dict) -> None:
+        params = ctx["methods"]["medusa"]
+        start = time.perf_counter()
+        wrapper = MedusaHeadsGraph(self.heads, params["heads"], params["top_k"]).eval()
+        hidden = self.heads.hidden_size
+        out = ctx["out"]
+        sample = {"hidden": np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)}
+        export_module(wrapper, [torch.from_numpy(sample["hidden"])], out / f"{GRAPH_NAME}.onnx", INPUTS, OUTPUTS,
+                      {}, SharedWeights(out, "weights/medusa.bin"))
+        ref = {"hidden": np.random.default_rng(1).standard_normal((1, hidden)).astype(np.float32)}
+        save_reference(out, GRAPH_NAME, ref, run_torch(wrapper, ref, INPUTS, OUTPUTS))
+        ctx["graphs"][GRAPH_NAME] = {
+            "file": f"{GRAPH_NAME}.onnx", "model": "target", "kind": GRAPH_KIND, "tokens": 1,
+            "num_heads": params["heads"], "top_k": params["top_k"], "num_layers": self.heads.num_layers,
+            "source": self.heads.source,
+        }
+        ctx["progress"](f"  exported {GRAPH_NAME}.onnx ({params['heads']} heads, top-{params['top_k']}, tree of "
+                        f"{len(params['tree_paths']['paths']) + 1} tokens) in {time.perf_counter() - start:.1f}s")
+

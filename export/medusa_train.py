@@ -1,0 +1,333 @@
+"""Train Medusa-1 heads on a frozen target by self-distillation, in the published layout.
+
+Head k at position t learns the target's own token at position t + k + 2 (its
+argmax at t + k + 1). The teacher is the target itself, never the corpus: heads
+learn what the target will say, which is what verification accepts. The training
+sequences are the target's greedy continuations of train-split prompts: the
+sequences a greedy Medusa run actually sees. Measured on the default family (top-1
+of each head on held-out greedy text), these choices beat the alternatives at equal
+cost: continuations only > continuations mixed with corpus windows (0.75 vs 0.66 for
+head 0), hard labels (cross-entropy) > the target's soft distribution (KL), and more
+continuations > more steps.
+The target is frozen, so its final hidden states and labels are computed once;
+each step only runs the heads.
+
+    python -m specdeploy.export.medusa_train --target DIR --out DIR --heads 4 [--steps N]
+    python -m specdeploy.export.medusa_train --family build/family/default --preset default   # cached
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime.errors import SpecDeployError
+from . import corpus
+from .hf_loading import load_causal_lm, read_hf_config
+from .medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
+
+Progress = Callable[[str], None]
+TRAIN_FORMAT = 1  # bump when the recipe changes in a way the spec hash cannot see
+
+
+@dataclass(frozen=True)
+class HeadsTrainSpec:
+    heads: int = 4
+    layers: int = 1
+    steps: int = 100
+    batch: int = 256  # positions per step
+    lr: float = 5e-3
+    warmup: int = 10
+    decay: float = 0.8  # loss weight of head k is decay**k (Medusa's weighting)
+    gen_prompts: int = 128  # train-split prompts the target continues greedily
+    prompt_len: int = 16
+    gen_tokens: int = 112
+    eval_windows: int = 16  # held-out windows (teacher-forced accuracy)
+    eval_prompts: int = 16  # held-out prompts (accuracy on the target's greedy text)
+    bf16: bool = False
+    threads: int = 2  # at most; one when the CPU is busy (oversubscribed OpenMP is ~10x slower)
+    seed: int = 0
+
+    def config_hash(self) -> str:
+        blob = json.dumps({"format": TRAIN_FORMAT, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# Sized for the budgets on a 2-core CPU: micro <= 20 s, default <= 2 minutes.
+PRESETS = {
+    "micro": HeadsTrainSpec(steps=100, gen_prompts=64, gen_tokens=80, eval_windows=8, eval_prompts=8, threads=1),
+    "default": HeadsTrainSpec(steps=100, gen_prompts=128, gen_tokens=112, bf16=True),
+}
+
+
+# ---------------------------------------------------------------- data
+
+
+def _tokenizer(target_dir: Path):
+    from tokenizers import Tokenizer
+
+    path = Path(target_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise SpecDeployError(f"{target_dir} has no tokenizer.json (needed to tokenize the training text)")
+    return Tokenizer.from_file(str(path))
+
+
+def _stream(tok, texts, eos: int | None, max_tokens: int) -> torch.Tensor:
+    """Texts tokenized and joined (each followed by eos when the target has one), up to max_tokens."""
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tok.encode(text, add_special_tokens=False).ids)
+        if eos is not None:
+            ids.append(eos)
+        if len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens], dtype=torch.int64)
+
+
+def _windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    if stream.numel() <= length:
+        raise SpecDeployError(f"corpus too small: {stream.numel()} tokens for windows of {length}")
+    starts = torch.randint(0, stream.numel() - length, (count,), generator=gen)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def _greedy(target, prompts: torch.Tensor, new_tokens: int, batch: int = 64) -> torch.Tensor:
+    """The target's greedy continuations (prompt included), equal-length prompts so no padding."""
+    out = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        seq = target.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        out.append(seq)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def _hidden(target, seqs: torch.Tensor, batch: int = 16, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's final hidden states (after the final norm) [N, L, H] float32 and its argmax tokens [N, L]."""
+    hidden, labels = [], []
+    for i in range(0, len(seqs), batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            h = target.model(input_ids=seqs[i : i + batch]).last_hidden_state
+            labels.append(target.lm_head(h).argmax(-1))
+        hidden.append(h.float())
+    return torch.cat(hidden), torch.cat(labels)
+
+
+# ---------------------------------------------------------------- training
+
+
+def _threads(most: int) -> int:
+    """`most` threads on an idle CPU, one when others keep it busy: OpenMP threads that wait
+    for a descheduled peer make a busy 2-core machine ~10x slower than one thread."""
+    free = (os.cpu_count() or 1) - os.getloadavg()[0]
+    return max(1, min(most, int(free + 0.5)))
+
+
+def _lr(step: int, spec: HeadsTrainSpec) -> float:
+    if step < spec.warmup:
+        return spec.lr * (step + 1) / spec.warmup
+    t = (step - spec.warmup) / max(spec.steps - spec.warmup, 1)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _sample_positions(n_seq: int, length: int, heads: int, batch: int, gen: torch.Generator):
+    """(sequence, t) pairs for which every head's label t + k + 1 exists."""
+    seq = torch.randint(0, n_seq, (batch,), generator=gen)
+    t = torch.randint(0, length - heads - 1, (batch,), generator=gen)
+    return seq, t
+
+
+def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, spec: HeadsTrainSpec,
+                progress: Progress) -> dict:
+    """Cross-entropy of head k at t against the target's token at t+k+2 (labels[t+k+1]), weights decay**k."""
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    params = [p for p in heads.heads.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    n_seq, length, _ = hidden.shape
+    weights = [spec.decay**k for k in range(heads.num_heads)]
+    log_every = max(spec.steps // 10, 1)
+    start, running = time.perf_counter(), None
+    heads.heads.train()
+    for step in range(spec.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, spec)
+        seq, t = _sample_positions(n_seq, length, heads.num_heads, spec.batch, gen)
+        h = hidden[seq, t]
+        loss = 0.0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.bf16):
+            for k, head in enumerate(heads.heads):
+                loss = loss + weights[k] * F.cross_entropy(head(h).float(), labels[seq, t + k + 1])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == spec.steps:
+            progress(f"[medusa] step {step + 1}/{spec.steps} loss {running:.3f} ({time.perf_counter() - start:.1f}s)")
+    heads.heads.eval()
+    for p in params:
+        p.requires_grad_(False)
+    return {"steps": spec.steps, "positions": spec.steps * spec.batch, "final_loss": round(running, 4),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+@torch.no_grad()
+def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, top: int = 5) -> list[dict]:
+    """Per head: how often its top-1 (and top-`top`) holds the target's token at t + k + 2."""
+    n_seq, length, size = hidden.shape
+    out = []
+    for k, head in enumerate(heads.heads):
+        h = hidden[:, : length - k - 1].reshape(-1, size)
+        want = labels[:, k + 1 :].reshape(-1)
+        ranked = head(h).topk(top, -1).indices
+        hit = ranked == want[:, None]
+        out.append({"head": k, "top1": round(hit[:, 0].float().mean().item(), 4),
+                    f"top{top}": round(hit.any(-1).float().mean().item(), 4)})
+    return out
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress: Progress = print,
+                 fmt: str = "safetensors") -> dict:
+    """Train heads for the target in `target_dir`; write the published layout to `out_dir`."""
+    t0 = time.perf_counter()
+    torch.set_num_threads(_threads(spec.threads))
+    torch.manual_seed(spec.seed)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    cfg = read_hf_config(target_dir)
+    target = load_causal_lm(target_dir, "float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tok = _tokenizer(target_dir)
+    eos = cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    gen = torch.Generator().manual_seed(spec.seed)
+
+    length = spec.prompt_len + spec.gen_tokens
+    train_stream = _stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 7), eos,
+                           (spec.gen_prompts + 8) * spec.prompt_len * 64)
+    heldout_stream = _stream(tok, corpus.iter_texts("heldout"), eos, (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    generated = _greedy(target, _windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    progress(f"[medusa] {len(generated)} greedy continuations of {spec.gen_tokens} tokens "
+             f"({time.perf_counter() - t0:.1f}s)")
+    hidden, labels = _hidden(target, generated, bf16=spec.bf16)
+    progress(f"[medusa] target hidden states for {hidden.shape[0] * hidden.shape[1]:,} positions "
+             f"({time.perf_counter() - t0:.1f}s)")
+
+    heads = new_heads(spec.heads, spec.layers, target.lm_head.weight, base_model=str(target_dir.resolve()))
+    run = train_heads(heads, hidden, labels, spec, progress)
+
+    eval_text = _windows(heldout_stream, spec.eval_windows, length, gen)
+    eval_gen = _greedy(target, _windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    metrics = {
+        "heldout_text": head_accuracy(heads, *_hidden(target, eval_text)),
+        "heldout_greedy": head_accuracy(heads, *_hidden(target, eval_gen)),
+    }
+    for what, rows in metrics.items():
+        progress(f"[medusa] held-out top-1 vs target ({what}): "
+                 + ", ".join(f"head {r['head']} {r['top1']:.3f}" for r in rows))
+    meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "accuracy": metrics,
+            "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
+    # Write beside, then swap in: an interrupted run never leaves a directory that looks finished.
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_heads(heads, tmp, fmt, extra_config={"specdeploy_train_hash": spec.config_hash()})
+    (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    progress(f"[medusa] {spec.heads} heads written to {out_dir} in {meta['seconds']:.1f}s")
+    return meta
+
+
+def _cached(out_dir: Path, spec: HeadsTrainSpec, target_hash: str | None) -> dict | None:
+    meta_path = Path(out_dir) / "train.json"
+    cfg_path = Path(out_dir) / CONFIG_NAME
+    if not meta_path.is_file() or not cfg_path.is_file() or not any((Path(out_dir) / n).is_file() for n in WEIGHT_NAMES):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if meta.get("train_hash") != spec.config_hash() or meta.get("target_hash") != target_hash:
+        return None
+    return meta
+
+
+def build_medusa_heads(family_dir: Path, preset: str, progress: Progress = print) -> dict:
+    """Heads for a built family's target, cached in <family_dir>/medusa (redone when the
+    preset's training spec or the family's own config hash changes)."""
+    if preset not in PRESETS:
+        raise SpecDeployError(f"unknown Medusa preset {preset!r}; expected one of {sorted(PRESETS)}")
+    family_dir = Path(family_dir)
+    fam_path = family_dir / "family.json"
+    if not fam_path.is_file():
+        raise SpecDeployError(f"{family_dir} is not a finished family build (no family.json): build the family first")
+    target_hash = json.loads(fam_path.read_text()).get("config_hash")
+    spec, out = PRESETS[preset], family_dir / "medusa"
+    cached = _cached(out, spec, target_hash)
+    if cached is not None:
+        progress(f"[medusa] {preset}: reusing {out} (train {spec.config_hash()})")
+        return cached
+    meta = train_medusa(family_dir / "target", out, spec, progress)
+    meta["target_hash"] = target_hash
+    (out / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Train Medusa-1 heads (frozen target, self-distillation).")
+    p.add_argument("--target", type=Path, help="HF model directory of the target")
+    p.add_argument("--out", type=Path, help="output directory (published Medusa layout)")
+    p.add_argument("--family", type=Path, help="a built family dir: train (or reuse) <family>/medusa for its "
+                   "target with --preset's spec (the cached `make export` step)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=1, help="ResBlocks per head (medusa_num_layers)")
+    p.add_argument("--steps", type=int, help="training steps (default: the preset's)")
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="data and step budget")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "pt"])
+    args = p.parse_args(argv)
+    if args.family is not None:
+        try:
+            meta = build_medusa_heads(args.family, args.preset, lambda m: print(m, flush=True))
+        except SpecDeployError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(meta["accuracy"]))
+        return 0
+    if args.target is None or args.out is None:
+        p.error("--target and --out are required (or --family DIR)")
+    spec = replace(PRESETS[args.preset], heads=args.heads, layers=args.layers)
+    if args.steps is not None:
+        spec = replace(spec, steps=args.steps, warmup=min(spec.warmup, max(args.steps // 5, 1)))
+    for name in ("heads", "steps"):
+        if getattr(spec, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    try:
+        meta = train_medusa(args.target, args.out, spec, lambda m: print(m, flush=True), args.format)
+    except SpecDeployError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(meta["accuracy"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Lookahead decoding (Fu et al., 2024) on the host: a Jacobi window feeds an n-gram pool.
+
+Every step is ONE target call of a static size T = (N-1) * (W+G), two branches packed:
+
+- verification branch (the tree nodes): up to G n-grams from the pool whose first
+  token is the root, merged into a trie under the root and verified by
+  runtime/verify.py like any deterministic draft (greedy exact, sampling lossless);
+- lookahead branch (auxiliary tokens, never candidates, KV never committed): a 2D
+  window of N-1 levels x W columns. Cell (l, i) sits at position root + i + l and
+  sees cells (0, 0..i) and (1..l, i): a causal run of consecutive positions, so its
+  logits are those of decoding that run. Cell (0, 0) is the root itself. Level N-2
+  is the newest Jacobi iterate; its outputs are the next one, and each column then
+  reads as an n-gram (cells (0..N-2, i), output i), added to the pool under cell (0, i).
+
+After s tokens are committed the window slides by s (level l <- level l+1, the last
+level <- the new outputs, both shifted left by s-1); emptied cells get random tokens
+of the context. The pool is seeded with the prompt's n-grams (prompt lookup) and
+takes every n-gram of the committed text as it grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..config import positive_int
+from ..errors import SpecDeployError
+from ..tree import Tree
+from .base import DecodeState, Drafter, Proposal
+from .ngram_pool import NGramPool
+from .prompt_lookup import find_continuation
+
+KEYS = ("window", "ngram", "guesses")
+DEFAULTS = {"window": 5, "ngram": 4, "guesses": 4}
+SUFFIX_MAX = 4  # longest context suffix matched for the prompt-lookup candidate
+
+
+def validate(params: dict) -> dict:
+    unknown = sorted(set(params) - set(KEYS))
+    if unknown:
+        raise SpecDeployError(f"config: unknown lookahead keys {unknown} (expected {', '.join(KEYS)})")
+    return {
+        "window": positive_int(params.get("window", DEFAULTS["window"]), "lookahead.window"),
+        "ngram": positive_int(params.get("ngram", DEFAULTS["ngram"]), "lookahead.ngram", 2),
+        "guesses": positive_int(params.get("guesses", DEFAULTS["guesses"]), "lookahead.guesses"),
+    }
+
+
+def verify_tokens(params: dict) -> int:
+    p = validate(params)
+    return (p["ngram"] - 1) * (p["window"] + p["guesses"])
+
+
+def window_layout(window: int, ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """(visible, offsets) of the flattened window, cell (l, i) at index l * window + i.
+
+    visible[r, c]: cell r sees cell c; offsets[r]: r's position relative to the root.
+    """
+    level = np.repeat(np.arange(ngram - 1), window)
+    col = np.tile(np.arange(window), ngram - 1)
+    rl, ri, cl, ci = level[:, None], col[:, None], level[None], col[None]
+    visible = ((cl == 0) & (ci <= ri)) | ((cl >= 1) & (cl <= rl) & (ci == ri))
+    return visible, (level + col).astype(np.int64)
+
+
+def trie(root: int, continuations: Sequence[Sequence[int]]) -> tuple[Tree, np.ndarray]:
+    """The candidates as one tree under the root, shared prefixes merged."""
+    parents, tokens, index = [-1], [int(root)], {}
+    for cont in continuations:
+        node = 0
+        for tok in cont:
+            child = index.get((node, tok))
+            if child is None:
+                child = index[(node, tok)] = len(tokens)
+                parents.append(node)
+                tokens.append(int(tok))
+            node = child
+    return Tree(tuple(parents)), np.array(tokens, dtype=np.int64)
+
+
+class LookaheadDrafter(Drafter):
+    name = "lookahead"
+
+    def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0, suffix_match: bool = True):
+        self.w, self.n, self.g, self.seed, self.suffix_match = window, ngram, guesses, seed, suffix_match
+        visible, offsets = window_layout(window, ngram)
+        # The root (cell 0) is tree node 0; the other cells follow the tree nodes.
+        self._aux_visible, self._aux_offsets = visible[1:, 1:], offsets[1:]
+        self._last_level = (ngram - 2) * window + np.arange(window)  # flat cells whose outputs are new guesses
+
+    def start(self, state: DecodeState) -> None:
+        self.rng = np.random.default_rng(self.seed)  # window fill only; state.rng stays the sampler's
+        self.pool = NGramPool(self.n - 1, self.g)
+        self.pool.add_ngrams(state.tokens)  # prompt lookup seeds the pool
+        self.grid = self._fill(state.tokens, (self.n - 1, self.w))
+        self.steps = 0
+
+    def _fill(self, context: Sequence[int], shape) -> np.ndarray:
+        return self.rng.choice(np.asarray(context, dtype=np.int64), size=shape)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        root = state.tokens[-1]
+        self.grid[0, 0] = root
+        cands = self.pool.get(root)
+        if self.suffix_match:
+            # prompt lookup with a 2+ token suffix: more precise than the pool's 1-token key
+            match = find_continuation(np.asarray(state.tokens, dtype=np.int64), self.n - 1, SUFFIX_MAX, 2)
+            if len(match) == self.n - 1:
+                match = tuple(match.tolist())
+                cands = [match] + [c for c in cands if c != match]
+        tree, tokens = trie(root, cands[: self.g])
+        s = tree.size
+        mask = np.zeros((len(self._aux_offsets), s + len(self._aux_offsets)), dtype=bool)
+        mask[:, 0] = True  # every cell sees the root; candidate nodes stay invisible
+        mask[:, s:] = self._aux_visible
+        return Proposal(tree, tokens, None, self.grid.reshape(-1)[1:].copy(), self._aux_offsets, mask)
+
+    def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
+        shift = len(verdict.path)  # tokens committed this step (accepted drafts + the bonus)
+        if proposal.aux_tokens is not None:
+            rows = np.where(self._last_level == 0, 0, proposal.tree.size + self._last_level - 1)
+            guesses = target_out.logits[rows].argmax(-1)
+            # Harvest once levels 1..N-2 hold model outputs, not the random initial fill.
+            if self.steps >= self.n - 2:
+                for i in range(self.w):
+                    self.pool.add(self.grid[0, i], (*self.grid[1:, i], guesses[i]))
+        else:  # plain decode near the context end: no new iterate
+            guesses = self.grid[-1]
+        self.steps += 1
+        newer = np.vstack([self.grid[1:], guesses[None]])
+        grid = self._fill(state.tokens, newer.shape)
+        keep = self.w - (shift - 1)
+        if keep > 0:
+            grid[:, :keep] = newer[:, shift - 1 :]
+        self.grid = grid
+        # n-grams ending in the committed tokens: most recent, so proposed first
+        self.pool.add_ngrams(state.tokens, len(state.tokens) - shift - self.n + 1)

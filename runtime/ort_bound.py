@@ -1,0 +1,136 @@
+"""ONNX Runtime with IOBinding: the KV cache never leaves the device.
+
+With plain `session.run(feeds)` on the CUDA provider, every step uploads the
+whole past (O(context)) and downloads every present. Here each `past_*` input
+is bound to the cache buffer's own pointer with shape [1, P, kv_heads,
+head_dim] (a contiguous prefix, so no copy), `present_*` outputs are bound to
+the cache's scratch rows, and only the first n rows of logits/hidden come back
+to the host. Token ids, positions and the mask are tiny and are bound from host
+memory (ORT copies them).
+
+On "ort-cpu" the same code runs on HostMemory (raw pointers into numpy
+buffers); that is how the tests exercise the binding logic without a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .backends import ORT_PROVIDERS
+from .device_decoder import DeviceDecoder
+from .device_memory import CudaMemory, HostMemory, cuda_unavailable_reason
+from .errors import SpecDeployError
+from .manifest import Manifest
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+              "tensor(bool)": np.bool_, "tensor(int32)": np.int32}
+FIXED_INPUTS = ("input_ids", "position_ids", "tree_mask")
+
+
+def iobinding_unavailable_reason(backend: str) -> str | None:
+    """Why the device-resident ORT path cannot serve `backend` here (None: it can)."""
+    if backend == "ort-cpu":
+        return None
+    if backend not in ("ort-cuda", "ort-trt"):
+        return f"no IOBinding path for backend {backend!r}"
+    return cuda_unavailable_reason()
+
+
+def _trt_ep_options(manifest: Manifest, graph, root: Path) -> dict:
+    """Explicit TensorRT-EP profiles so a growing past never triggers an engine rebuild."""
+    from ..engines.profiles import graph_profile  # pure module, no tensorrt import
+
+    shapes = graph_profile(manifest, graph)
+    fmt = lambda which: ",".join(f"{name}:{'x'.join(map(str, getattr(r, which)))}" for name, r in shapes.items())  # noqa: E731
+    cache = root / "engines" / "ort-trt"
+    cache.mkdir(parents=True, exist_ok=True)
+    return {"trt_profile_min_shapes": fmt("min"), "trt_profile_opt_shapes": fmt("opt"),
+            "trt_profile_max_shapes": fmt("max"), "trt_fp16_enable": manifest.dtype == "float16",
+            "trt_engine_cache_enable": True, "trt_engine_cache_path": str(cache)}
+
+
+class OrtBoundDecoder(DeviceDecoder):
+    def __init__(self, manifest: Manifest, model: str, backend: str = "ort-cuda", threads: int | None = None,
+                 memory=None):
+        import onnxruntime as ort
+
+        if memory is None:
+            memory = HostMemory() if backend == "ort-cpu" else CudaMemory()
+        super().__init__(manifest, model, memory)
+        self.backend = backend
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.sessions, self.bindings, self.graph_outputs = {}, {}, {}
+        self.outputs: dict[str, tuple[int, tuple, np.dtype]] = {}  # name -> (device ptr, row shape, dtype)
+        for t, g in sorted(self.graph_specs.items()):
+            providers = list(ORT_PROVIDERS[backend])
+            if backend == "ort-trt":
+                providers[0] = (providers[0], _trt_ep_options(manifest, g, manifest.root))
+            path = manifest.graph_path(g)
+            try:
+                sess = ort.InferenceSession(str(path), opts, providers=providers)
+            except Exception as exc:
+                raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
+            wanted = ORT_PROVIDERS[backend][0]
+            if wanted not in sess.get_providers():
+                # ORT falls back to CPU when a GPU provider fails to load; device pointers would then be wrong.
+                raise SpecDeployError(f"onnxruntime could not start {wanted} for {path.name} "
+                                      "(missing CUDA/cuDNN libraries for this onnxruntime-gpu build?)")
+            self.sessions[t] = sess
+            self.bindings[t] = self._bind_outputs(sess, t)
+
+    def _bind_outputs(self, sess, t: int):
+        """Bind every output once: presents into the cache scratch, the rest into shared device buffers."""
+        io = sess.io_binding()
+        self.graph_outputs[t] = []
+        dev, dev_id = self.memory.device_type, self.memory.device_id
+        kv_dtype = self.cache.np_dtype
+        kv_shape = (1, t, *self.cache.row_shape)
+        for o in sess.get_outputs():
+            if o.name.startswith(("present_key.", "present_value.")):
+                kind = 0 if o.name.startswith("present_key.") else 1
+                layer = int(o.name.rsplit(".", 1)[1])
+                io.bind_output(o.name, dev, dev_id, kv_dtype, kv_shape, self.cache.present_ptr(layer, kind))
+                continue
+            shape = tuple(o.shape)
+            if len(shape) < 2 or not all(isinstance(d, int) for d in shape) or shape[:2] != (1, t):
+                raise SpecDeployError(f"output {o.name} of the T={t} graph has shape {shape}, expected static [1, {t}, ...]")
+            if o.type not in _ORT_TYPES:
+                raise SpecDeployError(f"output {o.name} has unsupported type {o.type}")
+            dtype = np.dtype(_ORT_TYPES[o.type])
+            row_shape = shape[2:]
+            if o.name not in self.outputs:
+                # One buffer per output name, sized for the largest graph: calls never overlap.
+                row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+                self.outputs[o.name] = (self.memory.alloc(max(self.sizes) * row_bytes), row_shape, dtype)
+            ptr, known_rows, _ = self.outputs[o.name]
+            if known_rows != row_shape:
+                raise SpecDeployError(f"output {o.name} changes shape across graphs: {known_rows} vs {row_shape}")
+            io.bind_output(o.name, dev, dev_id, dtype, shape, ptr)
+            self.graph_outputs[t].append(o.name)
+        return io
+
+    def _run(self, t, feeds, past, n):
+        io = self.bindings[t]
+        dev, dev_id = self.memory.device_type, self.memory.device_id
+        for name in FIXED_INPUTS:
+            io.bind_cpu_input(name, feeds[name])
+        shape = (1, past, *self.cache.row_shape)
+        for layer in range(self.spec.num_layers):
+            for kind, prefix in ((0, "past_key"), (1, "past_value")):
+                io.bind_input(f"{prefix}.{layer}", dev, dev_id, self.cache.np_dtype, shape,
+                              self.cache.past_ptr(layer, kind))
+        self._keep = feeds  # bound host inputs must outlive the run
+        self.sessions[t].run_with_iobinding(io)
+        out = {}
+        for name in self.graph_outputs[t]:
+            ptr, row_shape, dtype = self.outputs[name]
+            host = np.empty((n, *row_shape), dtype)
+            self.memory.d2h(host, ptr)
+            out[name] = host
+        return out

@@ -1,0 +1,131 @@
+"""A fixed set of Export instances lent out one request at a time, with a bounded FIFO wait queue.
+
+Why a pool of whole instances rather than one shared session with a batching scheduler:
+
+* Memory: every instance opens its own ORT sessions and owns its KV caches, so N instances
+  hold N copies of the weights (per graph, as ORT materialises external data per session)
+  plus N caches of `max_context` rows. A single-session scheduler would hold the weights
+  once and could batch requests for better accelerator utilisation.
+* But the exported graphs are batch-1 and static-shape, and speculative steps differ per
+  request (each request has its own tree, acceptance length and cache length), so batching
+  would need batch-dimension graphs, ragged/paged KV and per-request tree masks — a
+  different export. With batch-1 graphs the pool is what gives concurrency: ORT releases
+  the GIL in `run`, so N requests really run in parallel, each isolated in its own state
+  (no locking inside the decode loop, a fault in one request cannot corrupt another).
+* Sharing weights between the pool's sessions (ORT `add_initializer` with one set of
+  OrtValues, or a prepacked-weights container) would remove the N-fold weight cost while
+  keeping this design; it needs a backend change and is not done yet.
+
+Admission is bounded on both sides: at most `size` requests run, at most `queue_size` wait
+(FIFO, each for at most `queue_timeout` seconds); anything beyond gets BusyError at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from .errors import SpecDeployError
+
+
+class BusyError(SpecDeployError):
+    """Every instance is busy and the wait queue is full, or the wait timed out (HTTP 429)."""
+
+
+class Ticket:
+    """One waiter's place in the queue; `ExportPool.withdraw(ticket)` gives it up from any thread."""
+
+    __slots__ = ("event", "export", "withdrawn")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.export = None
+        self.withdrawn = False
+
+
+class ExportPool:
+    def __init__(self, exports: list, queue_size: int = 0, queue_timeout: float = 30.0):
+        if not exports:
+            raise SpecDeployError("an export pool needs at least one instance")
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
+            raise SpecDeployError(f"queue size must be an integer >= 0, got {queue_size!r}")
+        if not queue_timeout >= 0:
+            raise SpecDeployError(f"queue timeout must be >= 0 seconds, got {queue_timeout!r}")
+        self.exports = list(exports)
+        self.queue_size = queue_size
+        self.queue_timeout = float(queue_timeout)
+        self._free = list(exports)  # a stack: the most recently used instance is reused first (warm caches)
+        self._leased: set[int] = set()
+        self._waiters: deque[Ticket] = deque()
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return len(self.exports)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._leased)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def saturated(self) -> bool:
+        """True when a new acquire would be refused right now (a cheap pre-check, not a promise)."""
+        return not self._free and len(self._waiters) >= self.queue_size
+
+    def acquire(self, timeout: float | None = None, ticket: Ticket | None = None):
+        """An instance, waiting in FIFO order up to `timeout` (default: the pool's queue timeout).
+
+        Returns None if the ticket was withdrawn while waiting; raises BusyError when the
+        queue is full or the wait timed out.
+        """
+        timeout = self.queue_timeout if timeout is None else timeout
+        ticket = ticket or Ticket()
+        with self._lock:
+            if ticket.withdrawn:
+                return None
+            if self._free and not self._waiters:
+                return self._lease(self._free.pop())
+            if len(self._waiters) >= self.queue_size:
+                raise BusyError(
+                    f"server busy: all {self.size} workers are in use and the wait queue "
+                    f"({self.queue_size}) is full; retry later"
+                )
+            self._waiters.append(ticket)
+        start = time.monotonic()
+        ticket.event.wait(timeout)
+        with self._lock:
+            if ticket.export is not None:  # handed over (possibly just as the wait timed out)
+                return ticket.export
+            if ticket.withdrawn:
+                return None
+            self._waiters.remove(ticket)
+        raise BusyError(f"server busy: no worker became free within {time.monotonic() - start:.1f} s; retry later")
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """Give up waiting (a cancelled request); a no-op if the ticket already got its instance."""
+        with self._lock:
+            ticket.withdrawn = True
+            if ticket in self._waiters:
+                self._waiters.remove(ticket)
+                ticket.event.set()
+
+    def release(self, export) -> None:
+        """Return an instance: straight to the longest waiter if there is one (no barging)."""
+        with self._lock:
+            if id(export) not in self._leased:
+                raise ValueError("releasing an export that is not leased from this pool")
+            self._leased.discard(id(export))
+            if self._waiters:
+                ticket = self._waiters.popleft()
+                ticket.export = self._lease(export)
+                ticket.event.set()
+            else:
+                self._free.append(export)
+
+    def _lease(self, export):
+        self._leased.add(id(export))
+        return export

@@ -1,0 +1,264 @@
+"""Embedding API: load an export once, serve many concurrent requests from a pool of instances.
+
+    svc = Service.load("build/export", pool_size=2, queue_size=8)
+    print(svc.generate("Once upon a time", max_new_tokens=32).text)
+    with svc.stream("Hello", method="draft") as req:   # waits for a free instance (BusyError if it can't)
+        for event in req:
+            print(event.text, end="")
+    print(req.stats["acceptance_length"])
+
+Thread-safe: call from any number of threads; `Request.cancel()` works from any thread.
+See runtime/pool.py for why a pool of instances and what it costs in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from .errors import SpecDeployError
+from .export_dir import Export
+from .generate import Generation, GenerationResult, TokenEvent, validate_request
+from .methods import build_drafter
+from .pool import BusyError, ExportPool, Ticket
+from .sampling import SamplingParams
+
+__all__ = ["Service", "Request", "BusyError", "TokenEvent"]
+
+log = logging.getLogger("specdeploy.runtime")
+
+
+class Service:
+    """One loaded export behind a bounded pool; thread-safe. Build it with Service.load()."""
+
+    def __init__(self, pool: ExportPool, default_method: str, unavailable: dict[str, str] | None = None):
+        self.pool = pool
+        self.meta = pool.exports[0]  # read-only use: manifest, tokenizer, method configs (identical in all)
+        self.unavailable = dict(unavailable or {})
+        self.methods = [m for m in self.meta.methods if m not in self.unavailable]
+        if default_method not in self.methods:
+            raise SpecDeployError(self.method_message(default_method))
+        self.default_method = default_method
+
+    @classmethod
+    def load(cls, export_dir: str | Path, pool_size: int = 1, queue_size: int = 8, queue_timeout: float = 30.0,
+             backend: str | None = "auto", threads: int | None = None, method: str | None = None,
+             verify_checksums: bool = True, warmup: bool = True) -> "Service":
+        """Open `pool_size` instances of one export (checksums are verified once).
+
+        `threads`: ORT intra-op threads per session; by default the CPU backend splits the
+        cores between the instances so that a full pool does not oversubscribe them.
+        `warmup` opens every method's graphs now rather than in the first requests.
+        """
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise SpecDeployError(f"pool size must be an integer >= 1, got {pool_size!r}")
+        first = Export(export_dir, backend=backend, threads=threads, verify_checksums=verify_checksums)
+        if threads is None and first.backend == "ort-cpu":
+            threads = max(1, (os.cpu_count() or 1) // pool_size)
+            first = Export(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
+        exports = [first] + [Export(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
+                             for _ in range(pool_size - 1)]
+        unavailable: dict[str, str] = {}
+        for export in exports:
+            export.decoder("target")
+            if warmup:
+                for name in list(first.methods):
+                    if name in unavailable:
+                        continue
+                    try:  # building a drafter opens the graphs its method needs
+                        build_drafter(name, export, export.method_params(name))
+                    except SpecDeployError as exc:  # serve the other methods; say why this one is missing
+                        unavailable[name] = str(exc)
+                        log.warning("method %r is not available: %s", name, exc)
+        if method is None:
+            method = "ar" if "ar" in first.methods and "ar" not in unavailable else next(
+                (m for m in first.methods if m not in unavailable), "ar")
+        return cls(ExportPool(exports, queue_size, queue_timeout), method, unavailable)
+
+    # -- introspection ------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.meta.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.meta.manifest.max_context
+
+    def status(self) -> dict:
+        return {"pool_size": self.pool.size, "in_use": self.pool.in_use, "waiting": self.pool.waiting,
+                "queue_size": self.pool.queue_size, "queue_timeout_s": self.pool.queue_timeout,
+                "methods": list(self.methods), "default_method": self.default_method}
+
+    # -- requests -----------------------------------------------------------------
+    def request(self, prompt: str | None = None, prompt_ids: list[int] | None = None, *, method: str | None = None,
+                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                seed: int | None = None, stop: list[str] | str | None = None, ignore_eos: bool = False,
+                timeout: float | None = None) -> "Request":
+        """A validated request that has not started yet (SpecDeployError on bad input)."""
+        if (prompt is None) == (prompt_ids is None):
+            raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
+        if prompt is not None and not isinstance(prompt, str):
+            raise SpecDeployError(f"prompt must be a string, got {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt) if prompt is not None else list(prompt_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise SpecDeployError("prompt_ids must be integers")
+        method = self.default_method if method is None else method
+        if method not in self.methods:
+            raise SpecDeployError(self.method_message(method))
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        validate_request(self.meta, ids, max_new_tokens)
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
+            raise SpecDeployError("stop must be a string or a list of strings")
+        return Request(self, ids, method, params, max_new_tokens, list(stop or []), bool(ignore_eos), timeout)
+
+    def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> "Request":
+        """A started request: it holds an instance until iterated to the end, cancelled or closed."""
+        req = self.request(prompt, prompt_ids, **options)
+        req.start()
+        return req
+
+    def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> GenerationResult:
+        with self.stream(prompt, prompt_ids, **options) as req:
+            return req.result()
+
+    def method_message(self, method: str) -> str:
+        """Why `method` cannot be used here (for error messages)."""
+        if method in self.unavailable:
+            return f"method {method!r} is not available: {self.unavailable[method]}"
+        return f"method {method!r} is not served by this export (available: {', '.join(self.methods)})"
+
+
+class Request:
+    """One request: start() waits for an instance; iterate for TokenEvents; cancel() from any thread."""
+
+    def __init__(self, service: Service, prompt_ids: list[int], method: str, params: SamplingParams,
+                 max_new_tokens: int, stop: list[str], ignore_eos: bool, timeout: float | None):
+        self.id = uuid.uuid4().hex
+        self.service, self.prompt_ids, self.method = service, prompt_ids, method
+        self.params, self.max_new_tokens, self.stop, self.ignore_eos = params, max_new_tokens, stop, ignore_eos
+        self.timeout = timeout
+        self._ticket = Ticket()
+        self._lock = threading.Lock()
+        self._export = None
+        self._gen: Generation | None = None
+        self._started = False
+        self._in_step = False
+        self._cancelled = False
+        self._created = time.perf_counter()
+        self.queue_s = 0.0
+        self._stats: dict = {}
+
+    # -- lifecycle ----------------------------------------------------------------
+    def start(self) -> bool:
+        """Wait for an instance (BusyError past capacity); False if the request was cancelled meanwhile."""
+        if self._started:
+            return self._gen is not None
+        self._started = True
+        export = self.service.pool.acquire(self.timeout, self._ticket)
+        self.queue_s = time.perf_counter() - self._created
+        if export is None:
+            return False
+        with self._lock:
+            self._export = export
+            if self._cancelled:
+                self._release()
+                return False
+            try:
+                self._gen = Generation(export, self.prompt_ids, method=self.method, params=self.params,
+                                       max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos)
+            except BaseException:
+                self._release()
+                raise
+        return True
+
+    def __iter__(self):
+        if not self.start():
+            return
+        steps = iter(self._gen)
+        try:
+            while True:
+                with self._lock:
+                    if self._export is None:  # closed between steps: never touch a returned instance
+                        return
+                    self._in_step = True
+                try:
+                    event = next(steps)
+                except StopIteration:
+                    return
+                finally:
+                    self._in_step = False
+                yield event
+        finally:
+            with self._lock:
+                self._release()
+
+    def cancel(self) -> None:
+        """Stop at the next step (or leave the queue); the instance returns to the pool."""
+        with self._lock:
+            self._cancelled = True
+            if self._gen is not None:
+                self._gen.cancel()
+        self.service.pool.withdraw(self._ticket)
+
+    def close(self) -> None:
+        """Cancel and free the instance: now if no step is running, else when that step ends."""
+        self.cancel()
+        with self._lock:
+            if not self._in_step:
+                self._release()
+
+    def __enter__(self) -> "Request":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _release(self) -> None:  # caller holds self._lock
+        if self._export is not None:
+            self._stats = self._collect_stats()
+            self.service.pool.release(self._export)
+            self._export = None
+
+    # -- results ------------------------------------------------------------------
+    def result(self) -> GenerationResult:
+        for _ in self:
+            pass
+        return GenerationResult(self.text, self.token_ids, self.finish_reason, self.stats)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def text(self) -> str:
+        return self._gen.text if self._gen is not None else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._gen.new_ids) if self._gen is not None else []
+
+    @property
+    def finish_reason(self) -> str:
+        if self._gen is not None and self._gen.finish_reason is not None:
+            return self._gen.finish_reason
+        return "cancelled" if self._cancelled else "length"
+
+    @property
+    def stats(self) -> dict:
+        """Per-request numbers: the generation's stats plus queue wait and end-to-end time."""
+        return dict(self._stats) if self._stats else self._collect_stats()
+
+    def _collect_stats(self) -> dict:
+        stats = {"method": self.method}
+        if self._gen is not None:
+            stats.update(self._gen.stats, new_tokens=len(self._gen.new_ids))
+        stats.update(queue_s=self.queue_s, total_s=time.perf_counter() - self._created,
+                     prompt_tokens=len(self.prompt_ids), finish_reason=self.finish_reason)
+        return stats
+

@@ -1,0 +1,49 @@
+"""Static trees by name (configs/trees/NAME.json), by file, or inline, as lists of paths.
+
+A tree file is either a JSON list of paths of top-k ranks (Medusa's `medusa_choices`
+format) or an object with a "paths" key (plus free-form "about"/"source").
+Validation of the paths themselves is runtime/tree.Tree.from_paths.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import CONFIG_DIR
+from .errors import SpecDeployError
+
+TREE_DIR = CONFIG_DIR / "trees"
+
+
+def tree_names() -> list[str]:
+    return sorted(p.stem for p in TREE_DIR.glob("*.json")) if TREE_DIR.is_dir() else []
+
+
+def read_tree_file(path: Path) -> list:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecDeployError(f"could not read tree file {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SpecDeployError(f"tree file {path} is not valid JSON: {exc}") from None
+    paths = data.get("paths") if isinstance(data, dict) else data
+    if not isinstance(paths, list):
+        raise SpecDeployError(f"tree file {path}: expected a list of paths or an object with a 'paths' list")
+    return paths
+
+
+def resolve_tree(spec, what: str = "tree") -> tuple[str, list]:
+    """(label, paths) for a tree given as a name, a .json file path, or an inline list of paths."""
+    if isinstance(spec, list):
+        return "inline", spec
+    if not isinstance(spec, str) or not spec:
+        raise SpecDeployError(f"config: {what} must be a tree name, a .json file or a list of paths, got {spec!r}")
+    named = TREE_DIR / f"{spec}.json"
+    if "/" not in spec and not spec.endswith(".json") and named.is_file():
+        return spec, read_tree_file(named)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return str(path), read_tree_file(path)
+    raise SpecDeployError(f"config: {what} {spec!r} is neither a tree file nor a known name "
+                          f"(known: {', '.join(tree_names()) or 'none'})")

@@ -1,0 +1,212 @@
+"""The "trt" backend: prebuilt TensorRT engines run with execute_async_v3.
+
+Engines come from `specdeploy engines OUT` (engines/builder.py) and are listed
+in OUT/engines.json; an engine whose ONNX or weights changed, or that was
+built by another TensorRT version or for another GPU, is refused with a clear
+error (never silently used).
+
+Per model, every tensor address is bound once, at load:
+* `past_key.{i}`/`past_value.{i}` -> the start of that layer's device KV buffer.
+  The past is sequence-major, so `[:P]` is the buffer's first P rows and each
+  step only changes the input *shape* ([1, P, kv_heads, head_dim]), never the
+  address: the past is never copied;
+* `present_*` -> the cache's scratch rows; commit copies only accepted rows
+  device-to-device (runtime/device_kv.py);
+* input_ids/position_ids/tree_mask and every other output -> preallocated device
+  buffers shared by the model's graphs (calls never overlap).
+A step uploads the ids/positions/mask, runs, and downloads the first n rows of
+logits and hidden: O(new tokens) traffic.
+
+Written against the TensorRT 10/11 Python API; nothing here imports tensorrt
+until a TrtDecoder is built, so the module imports cleanly without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+
+import numpy as np
+
+from .device_decoder import DeviceDecoder
+from .device_memory import CudaMemory, cuda_runtime, cuda_unavailable_reason
+from .errors import SpecDeployError
+from .manifest import Manifest
+
+
+@lru_cache(maxsize=None)
+def unavailable_reason() -> str | None:
+    """None when TensorRT imports and a CUDA device is visible, else the reason (one line)."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if getattr(exc, "name", None) == "tensorrt":
+            return "TensorRT is not installed (pip install tensorrt)"
+        return f"TensorRT does not import ({msg})"
+    except Exception as exc:  # broken installs raise OSError/RuntimeError from the bindings
+        return f"TensorRT does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return cuda_unavailable_reason()
+
+
+def is_available() -> bool:
+    return unavailable_reason() is None
+
+
+def engines_listed(manifest: Manifest) -> bool:
+    """Whether `specdeploy engines` recorded an engine for every decoder graph (cheap: no hashing)."""
+    from ..engines.engine_manifest import load_engines
+
+    try:
+        records = load_engines(manifest.root)["engines"]
+    except SpecDeployError:
+        return False
+    return all(name in records for name, g in manifest.graphs.items() if g.kind == "decoder")
+
+
+def gpu_identity(device: int = 0) -> dict:
+    """What an engine is tied to: the GPU's name and compute capability."""
+    rt = cuda_runtime()
+    if rt is None:
+        return {"gpu": "none", "compute_capability": "none"}
+    return {"gpu": rt.device_name(device), "compute_capability": rt.compute_capability(device)}
+
+
+def trt_logger():
+    """A tensorrt.ILogger that keeps errors (for our messages) and prints only warnings and worse."""
+    import tensorrt as trt
+
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity, msg):
+            if int(severity) <= int(trt.ILogger.Severity.ERROR):
+                self.errors.append(msg)
+            if int(severity) <= int(trt.ILogger.Severity.WARNING):
+                print(f"[TensorRT] {msg}", file=sys.stderr, flush=True)
+
+    return Logger()
+
+
+class TrtDecoder(DeviceDecoder):
+    def __init__(self, manifest: Manifest, model: str, trusted_digests: dict | None = None, device: int = 0):
+        reason = unavailable_reason()
+        if reason:
+            raise SpecDeployError(f"backend 'trt' is not available here: {reason}")
+        import tensorrt as trt
+
+        from ..engines.engine_manifest import file_digests, load_engines, stale_reasons
+
+        records = load_engines(manifest.root)["engines"]
+        here = {"tensorrt": trt.__version__, **gpu_identity(device)}
+        hashed = file_digests(manifest.root)
+        trusted = trusted_digests or {}  # digests load_manifest already checked against the files
+
+        def digest(rel: str) -> str:
+            return trusted[rel] if rel in trusted else hashed(rel)
+
+        plans = {}
+        for t, g in sorted(manifest.decoder_graphs(model).items()):
+            rec = records.get(g.name)
+            if rec is None:
+                raise SpecDeployError(f"no TensorRT engine for graph {g.name} in {manifest.root} "
+                                      f"(run `specdeploy engines {manifest.root}`)")
+            why = stale_reasons(manifest.root, rec, digest, **here)
+            if why:
+                raise SpecDeployError(f"the TensorRT engine for {g.name} is stale: {why[0]} "
+                                      f"(rebuild it with `specdeploy engines {manifest.root}`)")
+            plans[t] = manifest.root / rec["file"]
+        logger = trt_logger()
+        runtime = trt.Runtime(logger)
+        engines = {}
+        for t, path in plans.items():
+            engine = runtime.deserialize_cuda_engine(path.read_bytes())
+            if engine is None:
+                detail = logger.errors[-1] if logger.errors else "no detail"
+                raise SpecDeployError(f"TensorRT could not load {path} ({detail}); rebuild with "
+                                      f"`specdeploy engines {manifest.root} --rebuild`")
+            engines[t] = engine
+        self._attach(manifest, model, trt, CudaMemory(device), engines, logger)
+        self.runtime = runtime
+
+    @classmethod
+    def from_engines(cls, manifest: Manifest, model: str, trt, memory, engines: dict, logger=None) -> TrtDecoder:
+        """A decoder over already deserialized engines (keyed by T) and a given memory; the
+        tests use it to drive the binding logic with a stand-in engine on host memory."""
+        self = cls.__new__(cls)
+        self._attach(manifest, model, trt, memory, engines, logger)
+        return self
+
+    def _attach(self, manifest, model, trt, memory, engines, logger) -> None:
+        super().__init__(manifest, model, memory)
+        if sorted(engines) != self.sizes:
+            raise SpecDeployError(f"engines for T={sorted(engines)}, the export has decoder graphs for T={self.sizes}")
+        self.trt, self.logger = trt, logger
+        self.engines, self.contexts, self.graph_outputs = engines, {}, {}
+        self.buffers: dict[str, tuple[int, tuple, np.dtype]] = {}  # name -> (device ptr, row shape, dtype)
+        for t, engine in sorted(engines.items()):
+            context = engine.create_execution_context()
+            if context is None:
+                raise SpecDeployError(f"TensorRT could not create an execution context for T={t} (out of GPU memory?)")
+            self.contexts[t] = context
+            self._bind(t, engine, context)
+
+    def _buffer(self, name: str, row_shape: tuple, dtype: np.dtype) -> int:
+        if name not in self.buffers:
+            row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+            self.buffers[name] = (self.memory.alloc(max(self.sizes) * row_bytes), row_shape, dtype)
+        ptr, known, _ = self.buffers[name]
+        if known != row_shape:
+            raise SpecDeployError(f"tensor {name} changes shape across engines: {known} vs {row_shape}")
+        return ptr
+
+    def _bind(self, t: int, engine, context) -> None:
+        trt = self.trt
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.graph_outputs[t] = []
+        for name in names:
+            is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+            dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
+            prefix, _, idx = name.rpartition(".")
+            if prefix in ("past_key", "past_value", "present_key", "present_value"):
+                if dtype != self.cache.np_dtype:
+                    raise SpecDeployError(f"engine tensor {name} is {dtype}, the export's KV cache is {self.cache.np_dtype}")
+                kind = 0 if prefix.endswith("key") else 1
+                ptr = (self.cache.past_ptr if is_input else self.cache.present_ptr)(int(idx), kind)
+            elif is_input:
+                if name not in ("input_ids", "position_ids", "tree_mask"):
+                    raise SpecDeployError(f"engine for T={t} has an unexpected input {name!r}")
+                # [1, T] ids/positions and the [1, T, T] mask, in buffers sized for the largest T.
+                rows = (max(self.sizes),) if name == "tree_mask" else ()
+                ptr = self._buffer(name, rows, dtype)
+            else:
+                shape = tuple(engine.get_tensor_shape(name))
+                if len(shape) < 2 or shape[:2] != (1, t) or min(shape) < 0:
+                    raise SpecDeployError(f"engine output {name} has shape {shape}, expected static [1, {t}, ...]")
+                ptr = self._buffer(name, shape[2:], dtype)
+                self.graph_outputs[t].append(name)
+            if not context.set_tensor_address(name, ptr):
+                raise SpecDeployError(f"TensorRT refused the address of {name}")
+
+    def _run(self, t, feeds, past, n):
+        context = self.contexts[t]
+        for name in ("input_ids", "position_ids", "tree_mask"):
+            self.memory.h2d(self.buffers[name][0], feeds[name])
+        shape = (1, past, *self.cache.row_shape)
+        for layer in range(self.spec.num_layers):
+            for prefix in ("past_key", "past_value"):
+                if not context.set_input_shape(f"{prefix}.{layer}", shape):
+                    raise SpecDeployError(f"TensorRT rejected past length {past} for {prefix}.{layer} "
+                                          f"(outside the engine's profile?)")
+        if not context.execute_async_v3(self.memory.stream):
+            detail = self.logger.errors[-1] if self.logger and self.logger.errors else "no detail"
+            raise SpecDeployError(f"TensorRT execution failed for the T={t} engine: {detail}")
+        out = {}
+        for name in self.graph_outputs[t]:
+            ptr, row_shape, dtype = self.buffers[name]
+            host = np.empty((n, *row_shape), dtype)
+            self.memory.d2h(host, ptr)  # same stream: waits for the engine, then copies n rows
+            out[name] = host
+        return out

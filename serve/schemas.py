@@ -1,0 +1,133 @@
+"""Request bodies of the OpenAI endpoints, validated strictly (a wrong type is a 400, never coerced).
+
+Fields OpenAI defines that this server cannot honour are refused with a 400 when set to a
+non-default value rather than silently ignored; purely informational ones (`user`,
+`metadata`, ...) are accepted and ignored. Extensions: `method`, `top_k`, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ApiError, bad_request
+
+MAX_STOP = 16  # OpenAI allows 4; a few more cost nothing here
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: Optional[bool] = None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    n: Optional[int] = Field(None, ge=1)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    stop: Any = None  # a string or a list of strings: checked by hand for a clear message
+    seed: Optional[int] = Field(None, ge=0)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = None
+    # specdeploy extensions (the openai client sends them with extra_body=...)
+    method: Optional[str] = None
+    top_k: Optional[int] = Field(None, ge=0)
+    ignore_eos: Optional[bool] = None
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        """(field, is set to something this server cannot do)."""
+        return [("n", self.n not in (None, 1)),
+                ("presence_penalty", self.presence_penalty not in (None, 0)),
+                ("frequency_penalty", self.frequency_penalty not in (None, 0)),
+                ("logit_bias", bool(self.logit_bias))]
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # a string, a list of token ids, or a one-element list of either
+    echo: Optional[bool] = None
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def unsupported(self):
+        return super().unsupported() + [("echo", bool(self.echo)), ("logprobs", self.logprobs is not None),
+                                        ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: Any = None  # a string or a list of {"type": "text", "text": ...} parts
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list] = None
+    tool_choice: Any = None
+    response_format: Optional[dict] = None
+
+    def unsupported(self):
+        fmt = (self.response_format or {}).get("type", "text")
+        return super().unsupported() + [("logprobs", bool(self.logprobs)), ("top_logprobs", bool(self.top_logprobs)),
+                                        ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+                                        ("response_format", fmt != "text")]
+
+
+def parse_json(raw: bytes) -> Any:
+    def no_constants(name):  # NaN / Infinity are not JSON
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_constant=no_constants)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
+
+
+def validate(model_cls: type[_Common], data: Any) -> _Common:
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", None, "invalid_type")
+    try:
+        body = model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise _api_error(exc.errors()[0]) from None
+    for field, refused in body.unsupported():
+        if refused:
+            raise bad_request(f"'{field}' is not supported by this server (value {getattr(body, field)!r})",
+                              field, "unsupported_parameter")
+    return body
+
+
+def stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad_request("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(stop) > MAX_STOP:
+        raise bad_request(f"'stop' has {len(stop)} strings; at most {MAX_STOP} are allowed", "stop")
+    return [s for s in stop if s]
+
+
+def _api_error(err: dict) -> ApiError:
+    param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(err["loc"]))
+    kind = err["type"]
+    if kind == "missing":
+        return bad_request(f"missing required parameter: '{param}'", param, "missing_required_parameter")
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, float) or math.isfinite(got) else str(got)
+    code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+    return bad_request(f"invalid '{param}': {err['msg'][0].lower()}{err['msg'][1:]} (got {shown[:100]})", param or None, code)

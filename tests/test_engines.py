@@ -1,0 +1,391 @@
+"""TensorRT side without TensorRT: lint, profiles, engine bookkeeping, skip lines, backend errors,
+and the device-resident decoders' binding logic (driven on host memory through ONNX Runtime)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import onnx
+import pytest
+from conftest import REPO, run_cli
+from onnx import TensorProto as TP
+from onnx import helper as oh
+
+from specdeploy.engines import lint
+from specdeploy.engines.engine_manifest import (engine_rel, engine_status, file_digests, graph_sources, load_engines,
+                                                make_record, save_engines, stale_reasons)
+from specdeploy.engines.profiles import NoProfile, graph_profile, inputs_profile, profile_json
+from specdeploy.runtime.decoder import Decoder
+from specdeploy.runtime.device_kv import row_runs
+from specdeploy.runtime.device_memory import HostMemory
+from specdeploy.runtime.errors import SpecDeployError
+from specdeploy.runtime.manifest import load_manifest
+from specdeploy.runtime.trt_backend import unavailable_reason
+
+NO_TRT = unavailable_reason() is not None
+
+
+# -- lint ---------------------------------------------------------------------------------------
+
+def _planted_model(path):
+    """A graph with ops TensorRT's parser rejects, next to ops it takes."""
+    nodes = [
+        oh.make_node("Relu", ["x"], ["r"], name="fine_relu"),
+        oh.make_node("FancyGelu", ["r"], ["g"], name="plugin_op", domain="com.acme"),
+        oh.make_node("Unique", ["x"], ["u"], name="unique_op"),
+        oh.make_node("MatMul", ["a", "b"], ["c"], name="int_matmul"),
+        oh.make_node("Slice", ["x", "st", "en", "axes_in"], ["s"], name="dynamic_axes_slice"),
+    ]
+    graph = oh.make_graph(
+        nodes, "planted",
+        [oh.make_tensor_value_info("x", TP.FLOAT, [4]), oh.make_tensor_value_info("a", TP.INT32, [2, 2]),
+         oh.make_tensor_value_info("b", TP.INT32, [2, 2]), oh.make_tensor_value_info("axes_in", TP.INT64, [1])],
+        [oh.make_tensor_value_info(n, t, None) for n, t in (("g", TP.FLOAT), ("u", TP.FLOAT), ("c", TP.INT32),
+                                                             ("s", TP.FLOAT))],
+        initializer=[oh.make_tensor("st", TP.INT64, [1], [0]), oh.make_tensor("en", TP.INT64, [1], [2])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.acme", 1)])
+    onnx.save(model, str(path))
+    return path
+
+
+def test_lint_names_each_planted_unsupported_op(tmp_path, capsys):
+    path = _planted_model(tmp_path / "planted.onnx")
+    findings, nodes = lint.lint_file(path)
+    by_node = {f.node: f for f in findings}
+    assert nodes == 5
+    assert set(by_node) == {"plugin_op", "unique_op", "int_matmul", "dynamic_axes_slice"}
+    assert "com.acme" in by_node["plugin_op"].reason
+    assert "not supported" in by_node["unique_op"].reason
+    assert "INT32" in by_node["int_matmul"].reason
+    # Slice axes must be an initializer in TensorRT 10.0; the 10.15 matrix dropped that restriction.
+    assert by_node["dynamic_axes_slice"].versions == ("10.0",)
+    assert lint.cli_report(path) == 4
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL trt-lint planted: 4 unsupported")
+    for name in ("plugin_op", "unique_op", "int_matmul", "dynamic_axes_slice"):
+        assert f"'{name}'" in out
+
+
+def test_lint_rejects_op_missing_from_matrix_and_bad_opset(tmp_path):
+    node = oh.make_node("NotAnOnnxOp", ["x"], ["y"], name="mystery")
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info("x", TP.FLOAT, [1])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [1])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 8)])
+    findings, _ = lint.lint_model(model, "g")
+    reasons = {f.node: f.reason for f in findings}
+    assert "not in the TensorRT operator matrix" in reasons["mystery"]
+    assert "opset 8" in reasons["(model)"]
+
+
+def test_lint_passes_exported_micro_graphs(micro_export, capsys):
+    for g in load_manifest(micro_export, verify_checksums=False).graphs.values():
+        findings, nodes = lint.lint_file(micro_export / g.file)
+        assert nodes > 100 and findings == [], (g.name, [str(f) for f in findings])
+    assert lint.cli_report(micro_export) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(line.startswith("ok   trt-lint ") for line in lines)
+
+
+def test_support_matrix_names_its_source():
+    data = json.loads(lint.SUPPORT_FILE.read_text())
+    assert "onnx/onnx-tensorrt" in data["source"]["repository"] and "operators.md" in data["source"]["file"]
+    m = lint.SupportMatrix.load()
+    assert m.entry("RMSNormalization", "10.0")["supported"] is False
+    assert m.entry("RMSNormalization", "10.15")["supported"] is True
+    assert m.entry("RMSNormalization", "11")["supported"] is True
+
+
+# -- profiles ------------------------------------------------------------------------------------
+
+def test_decoder_profile_from_manifest(micro_export):
+    m = load_manifest(micro_export, verify_checksums=False)
+    spec = m.models["target"]
+    prof = graph_profile(m, "target_t5")
+    assert prof["input_ids"].min == prof["input_ids"].max == (1, 5)
+    assert prof["tree_mask"].opt == (1, 5, 5)
+    past = prof["past_value.0"]
+    hi = m.max_context - 5
+    assert past.min == (1, 0, spec.num_kv_heads, spec.head_dim)  # empty cache on the first prefill chunk
+    assert past.max == (1, hi, spec.num_kv_heads, spec.head_dim)
+    assert past.min[1] < past.opt[1] < past.max[1]
+    assert sum(n.startswith("past_") for n in prof) == 2 * spec.num_layers
+    assert set(profile_json(prof)["past_key.0"]) == {"min", "opt", "max"}
+
+
+def test_profile_cross_checks_network_inputs(micro_export):
+    m = load_manifest(micro_export, verify_checksums=False)
+    spec = m.models["draft"]
+    good = {"input_ids": (1, 1), "position_ids": (1, 1), "tree_mask": (1, 1, 1)}
+    for i in range(spec.num_layers):
+        good[f"past_key.{i}"] = good[f"past_value.{i}"] = (1, -1, spec.num_kv_heads, spec.head_dim)
+    assert graph_profile(m, "draft_t1", good)
+    with pytest.raises(SpecDeployError, match="unexpected"):
+        graph_profile(m, "draft_t1", {**good, "extra": (1,)})
+    with pytest.raises(SpecDeployError, match="input_ids"):
+        graph_profile(m, "draft_t1", {**good, "input_ids": (1, 3)})
+
+
+def test_inputs_profile_only_bounds_the_past():
+    prof = inputs_profile({"hidden": (1, 4, 8), "past_key.0": (1, -1, 2, 4)}, tokens=4, max_context=64)
+    assert prof["hidden"].min == prof["hidden"].max == (1, 4, 8)
+    assert prof["past_key.0"].min == (1, 0, 2, 4) and prof["past_key.0"].max == (1, 60, 2, 4)
+    with pytest.raises(NoProfile, match="tree_mask"):
+        inputs_profile({"tree_mask": (1, 4, "mask_len")}, tokens=4, max_context=64)
+
+
+# -- engine manifest and staleness ------------------------------------------------------------------
+
+@pytest.fixture
+def export_copy(micro_export, tmp_path):
+    out = tmp_path / "export"
+    shutil.copytree(micro_export, out)
+    return out
+
+
+def _fake_engines(root):
+    """A fake engine file and record per graph, as `specdeploy engines` would write them."""
+    m = load_manifest(root)
+    digest = file_digests(root)
+    data = load_engines(root)
+    identity = {"tensorrt": "10.99.0", "gpu": "Test GPU", "compute_capability": "9.0"}
+    for name, g in m.graphs.items():
+        blob = f"not a real engine: {name}".encode()
+        (root / engine_rel(name)).parent.mkdir(exist_ok=True)
+        (root / engine_rel(name)).write_bytes(blob)
+        data["engines"][name] = make_record(root, g, graph_sources(m, name), digest, len(blob), "0" * 64, m.dtype,
+                                            profile_json(graph_profile(m, g)), identity, 1.0, None)
+    save_engines(root, data)
+    return m, identity
+
+
+def test_engine_records_list_onnx_and_weights(export_copy):
+    m, _ = _fake_engines(export_copy)
+    rec = load_engines(export_copy)["engines"]["target_t5"]
+    assert set(rec["sources"]) == {"target_t5.onnx", "weights/target.bin"}
+    assert rec["sources"]["target_t5.onnx"] == m.files["target_t5.onnx"]
+    assert rec["profile"]["past_key.0"]["min"][1] == 0
+    assert all(why == [] for why in engine_status(m).values())
+
+
+def test_changed_onnx_makes_its_engine_stale(export_copy):
+    m, identity = _fake_engines(export_copy)
+    model = onnx.load(str(export_copy / "target_t1.onnx"), load_external_data=False)
+    model.doc_string = "re-exported"
+    onnx.save(model, str(export_copy / "target_t1.onnx"))
+    status = engine_status(m)
+    assert status["target_t1"] == ["target_t1.onnx changed since the engine was built"]
+    assert status["target_t5"] == [] and status["draft_t1"] == []
+    # Weights shared by all target graphs: every target engine goes stale, the draft's do not.
+    with open(export_copy / "weights" / "target.bin", "r+b") as f:
+        f.write(b"\1\2\3\4")
+    status = engine_status(m)
+    assert all("weights/target.bin changed" in " ".join(status[g]) for g in ("target_t1", "target_t5", "target_t16"))
+    assert status["draft_t16"] == []
+
+
+def test_engine_from_other_tensorrt_or_gpu_or_missing_is_stale(export_copy):
+    m, identity = _fake_engines(export_copy)
+    rec = load_engines(export_copy)["engines"]["draft_t1"]
+    digest = file_digests(export_copy)
+    assert stale_reasons(export_copy, rec, digest, **identity) == []
+    assert "TensorRT 10.99.0" in stale_reasons(export_copy, rec, digest, **{**identity, "tensorrt": "11.4.0"})[0]
+    assert "compute 9.0" in stale_reasons(export_copy, rec, digest, **{**identity, "gpu": "B", "compute_capability": "10.0"})[0]
+    (export_copy / rec["file"]).write_bytes(b"truncated")
+    assert "changed" in stale_reasons(export_copy, rec, digest)[0]
+    (export_copy / rec["file"]).unlink()
+    assert "missing" in stale_reasons(export_copy, rec, digest)[0]
+    (export_copy / "engines.json").write_text("{not json")
+    with pytest.raises(SpecDeployError, match="engines.json"):
+        load_engines(export_copy)
+
+
+# -- CLI without TensorRT / GPU ---------------------------------------------------------------------
+
+@pytest.mark.skipif(not NO_TRT, reason="TensorRT and a GPU are present: engines would really be built")
+def test_engines_command_prints_one_skip_line(micro_export):
+    proc = run_cli("engines", micro_export)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("engines: skipped") and unavailable_reason() in lines[0]
+    assert not (micro_export / "engines.json").exists()
+
+
+@pytest.mark.skipif(not NO_TRT, reason="TensorRT and a GPU are present")
+def test_check_reports_trt_comparison_skipped(micro_export):
+    from specdeploy.engines import trt_check
+
+    assert trt_check.skip_reason() == unavailable_reason()
+    proc = run_cli("check", micro_export)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("trt-check:")]
+    assert len(skipped) == 1 and "skipped" in skipped[0]
+
+
+@pytest.mark.parametrize("backend", ["trt", "ort-cuda"])
+def test_unavailable_backend_is_one_clear_error(micro_export, backend):
+    from specdeploy.runtime.backends import available_backends
+
+    if backend in available_backends():
+        pytest.skip(f"{backend} is available here")
+    proc = run_cli("generate", micro_export, "--backend", backend, "--prompt-ids", "1,2,3")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0].startswith(f"error: backend '{backend}' is not available here: ")
+    assert ("TensorRT" if backend == "trt" else "CUDAExecutionProvider") in lines[0]
+
+
+def test_gpu_modules_import_without_tensorrt_or_torch():
+    code = ("import sys\n"
+            "import specdeploy.runtime.trt_backend, specdeploy.runtime.ort_bound, specdeploy.runtime.device_memory\n"
+            "import specdeploy.engines.builder, specdeploy.engines.trt_check, specdeploy.engines.lint\n"
+            "import specdeploy.engines.engine_manifest, specdeploy.engines.profiles\n"
+            "assert 'tensorrt' not in sys.modules, 'tensorrt imported at module load'\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+# -- device-resident decoders, on host memory -------------------------------------------------------
+
+def test_row_runs_groups_consecutive_rows():
+    assert row_runs([0, 1, 2]) == [(0, 0, 3)]
+    assert row_runs([0, 2, 3, 5]) == [(0, 0, 1), (2, 1, 2), (5, 3, 1)]
+    assert row_runs([]) == []
+
+
+TREE_MASK = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
+TREE_DEPTH = np.array([0, 1, 1, 2, 2])
+
+
+def _same_steps(ref: Decoder, dev) -> None:
+    """Prefill, a tree step committed along a non-prefix path, then single steps: identical results."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 500, 37)
+    a, b = ref.prefill(prompt, 16), dev.prefill(prompt, 16)
+    np.testing.assert_array_equal(a.logits, b.logits)
+    ta = ref.forward(np.array([5, 6, 7, 8, 9]), ref.cache.length + TREE_DEPTH, TREE_MASK)
+    tb = dev.forward(np.array([5, 6, 7, 8, 9]), dev.cache.length + TREE_DEPTH, TREE_MASK)
+    np.testing.assert_array_equal(ta.logits, tb.logits)
+    np.testing.assert_array_equal(ta.hidden, tb.hidden)
+    ref.commit(ta, [0, 2, 4])
+    dev.commit(tb, [0, 2, 4])
+    assert dev.cache.length == ref.cache.length == 40
+    for layer in range(ref.spec.num_layers):
+        np.testing.assert_array_equal(dev.cache.read(layer, 0), ref.cache.keys[layer][:40])
+        np.testing.assert_array_equal(dev.cache.read(layer, 1), ref.cache.values[layer][:40])
+    ref.cache.truncate(38)
+    dev.cache.truncate(38)
+    for _ in range(3):
+        pos = np.array([ref.cache.length])
+        sa = ref.forward(np.array([11]), pos, np.ones((1, 1), bool))
+        sb = dev.forward(np.array([11]), pos, np.ones((1, 1), bool))
+        np.testing.assert_array_equal(sa.logits, sb.logits)
+        ref.commit(sa, slice(0, 1))
+        dev.commit(sb, slice(0, 1))
+    assert dev.cache.bytes_copied == ref.cache.bytes_copied
+    with pytest.raises(SpecDeployError, match="latest step"):
+        dev.commit(tb, [0])  # its presents were overwritten by later steps
+
+
+def test_ort_iobinding_decoder_matches_plain_decoder(micro_export):
+    from specdeploy.runtime.ort_bound import OrtBoundDecoder
+
+    m = load_manifest(micro_export, verify_checksums=False)
+    _same_steps(Decoder(m, "target"), OrtBoundDecoder(m, "target", "ort-cpu"))
+
+
+def test_generation_unchanged_on_iobinding_decoder(micro_export):
+    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.ort_bound import OrtBoundDecoder
+
+    class BoundExport(Export):  # the generator sees a device-resident decoder, nothing else changes
+        def _open_decoder(self, model):
+            return OrtBoundDecoder(self.manifest, model, "ort-cpu")
+
+    prompt = [1, 17, 42, 99, 7, 17, 42]
+    for method in ("ar", "draft"):
+        plain = Generation(Export(micro_export, "ort-cpu"), prompt, method=method, max_new_tokens=24,
+                           ignore_eos=True).result()
+        bound = Generation(BoundExport(micro_export, "ort-cpu"), prompt, method=method, max_new_tokens=24,
+                           ignore_eos=True).result()
+        assert bound.token_ids == plain.token_ids, method
+        assert bound.stats["kv_bytes_copied"] == plain.stats["kv_bytes_copied"]
+
+
+class _StandInEngine:
+    """Plays a deserialized TensorRT engine (the slice of its API the decoder uses) with an ORT
+    session over raw host pointers, and enforces the engine's optimization profile."""
+
+    def __init__(self, session, profile):
+        self.session, self.profile = session, profile
+        self.io = [(i.name, True, i.shape, i.type) for i in session.get_inputs()] + \
+                  [(o.name, False, o.shape, o.type) for o in session.get_outputs()]
+        self.num_io_tensors = len(self.io)
+
+    def _find(self, name):
+        return next(t for t in self.io if t[0] == name)
+
+    def get_tensor_name(self, i):
+        return self.io[i][0]
+
+    def get_tensor_mode(self, name):
+        return "INPUT" if self._find(name)[1] else "OUTPUT"
+
+    def get_tensor_dtype(self, name):
+        return {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}[self._find(name)[3]]
+
+    def get_tensor_shape(self, name):
+        return tuple(d if isinstance(d, int) else -1 for d in self._find(name)[2])
+
+    def create_execution_context(self):
+        return _StandInContext(self)
+
+
+class _StandInContext:
+    def __init__(self, engine):
+        self.engine, self.addresses, self.shapes = engine, {}, {}
+
+    def set_tensor_address(self, name, ptr):
+        self.addresses[name] = ptr
+        return True
+
+    def set_input_shape(self, name, shape):
+        if not self.engine.profile[name].contains(shape):
+            return False
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def execute_async_v3(self, stream):
+        io = self.engine.session.io_binding()
+        for name, is_input, _, _ in self.engine.io:
+            shape = self.shapes.get(name, self.engine.get_tensor_shape(name))
+            if -1 in shape:
+                return False  # a dynamic input without a shape: TensorRT refuses too
+            bind = io.bind_input if is_input else io.bind_output
+            bind(name, "cpu", 0, self.engine.get_tensor_dtype(name), shape, self.addresses[name])
+        self.engine.session.run_with_iobinding(io)
+        return True
+
+
+def test_trt_decoder_binding_logic_on_a_stand_in_engine(micro_export):
+    import onnxruntime as ort
+
+    from specdeploy.runtime.trt_backend import TrtDecoder
+
+    m = load_manifest(micro_export, verify_checksums=False)
+    fake_trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"),
+                                     nptype=lambda dtype: dtype)
+    engines = {t: _StandInEngine(ort.InferenceSession(str(m.graph_path(g)), providers=["CPUExecutionProvider"]),
+                                 graph_profile(m, g))
+               for t, g in m.decoder_graphs("target").items()}
+    dev = TrtDecoder.from_engines(m, "target", fake_trt, HostMemory(), engines)
+    _same_steps(Decoder(m, "target"), dev)
+    with pytest.raises(SpecDeployError, match="engines for T"):
+        TrtDecoder.from_engines(m, "target", fake_trt, HostMemory(), {1: engines[1]})

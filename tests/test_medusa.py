@@ -1,0 +1,412 @@
+"""Medusa: published heads layout, heads graph, static trees, drafter, tree calibration.
+
+Heads: trained on the micro family (cached in build/family/micro/medusa) and random
+heads in the published layout (.pt and .safetensors). Greedy output must equal
+Hugging Face greedy; sampling must reproduce the target's exact joint distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import BUILD, hf_greedy, run_cli
+from specdeploy.runtime.errors import SpecDeployError
+from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.tree import Tree
+
+PUBLISHED = "/work/shared/reference/draft_trees.json"
+PROMPTS = [
+    "def foo(x):\n    return",
+    "import os\nimport sys\n\n\nclass Config",
+    "    def __init__(self, name, value=None):\n        self.",
+    "with open(path) as f:\n    data = f.read()\n",
+    "for i in range(10):\n    if i %",
+]
+NEW = 40
+
+
+def published_trees() -> dict[str, list]:
+    data = json.loads(open(PUBLISHED).read())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Micro models run fastest on one thread, and the suite shares two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained_heads(micro_family):
+    from specdeploy.export.medusa_train import build_medusa_heads
+
+    meta = build_medusa_heads(micro_family, "micro", progress=lambda m: None)
+    return micro_family / "medusa", meta
+
+
+def _random_heads(micro_family, fmt: str, seed: int):
+    from specdeploy.export.medusa_heads import medusa_module_list, MedusaHeads, save_heads
+
+    cfg = json.loads((micro_family / "target" / "config.json").read_text())
+    torch.manual_seed(seed)
+    heads = medusa_module_list(4, 1, cfg["hidden_size"], cfg["vocab_size"])
+    with torch.no_grad():
+        for p in heads.parameters():  # peaked logits: no near-ties between ORT and PyTorch
+            p.normal_(0, 0.3)
+    return save_heads(MedusaHeads(heads, 1, "random"), BUILD / "test_models" / f"medusa_random_{fmt}", fmt)
+
+
+@pytest.fixture(scope="module")
+def medusa_exports(micro_family, trained_heads):
+    """name -> export dir: trained heads (default tree), random .pt heads (published 63-node
+    tree), random .safetensors heads (a small tree)."""
+    from specdeploy.export.exporter import export_all
+
+    target = micro_family / "target"
+    quiet = lambda m: None  # noqa: E731
+    out = BUILD / "test_exports"
+    with one_torch_thread():
+        return {
+            "trained": export_all(target, out / "medusa_trained", medusa=trained_heads[0], progress=quiet),
+            "pt": export_all(target, out / "medusa_pt", medusa=_random_heads(micro_family, "pt", 1),
+                             medusa_tree="mc_sim_7b_63", progress=quiet),
+            "safetensors": export_all(target, out / "medusa_st", medusa=_random_heads(micro_family, "safetensors", 2),
+                                      medusa_tree="medusa_cpu_8", progress=quiet),
+        }
+
+
+@pytest.fixture(scope="module")
+def exports(medusa_exports):
+    from specdeploy.runtime.export_dir import Export
+
+    # One ORT thread: the suite shares two cores, and spinning thread pools crawl when oversubscribed.
+    return {name: Export(path, threads=1) for name, path in medusa_exports.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_reference(micro_family, exports):
+    """HF greedy continuation of every prompt (all three exports share the target)."""
+    tok = exports["trained"].tokenizer
+    with one_torch_thread():
+        return {p: hf_greedy(micro_family / "target", tok.encode(p), NEW) for p in PROMPTS}
+
+
+# ---------------------------------------------------------------- heads: layout, training, loading
+
+
+def test_trained_heads_use_the_published_layout(trained_heads, micro_family):
+    from safetensors.torch import load_file
+
+    heads_dir, meta = trained_heads
+    cfg = json.loads((heads_dir / "config.json").read_text())
+    assert cfg["medusa_num_heads"] == 4 and cfg["medusa_num_layers"] == 1 and cfg["base_model_name_or_path"]
+    state = load_file(str(heads_dir / "medusa_lm_head.safetensors"))
+    target_cfg = json.loads((micro_family / "target" / "config.json").read_text())
+    h, v = target_cfg["hidden_size"], target_cfg["vocab_size"]
+    assert set(state) == {f"{k}.{n}" for k in range(4) for n in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    assert state["0.0.linear.weight"].shape == (h, h) and state["3.1.weight"].shape == (v, h)
+    # Training reports per-head top-1 accuracy against the target on held-out text; the
+    # first head must beat chance by far (the heads learned something).
+    acc = meta["accuracy"]["heldout_greedy"]
+    assert [a["head"] for a in acc] == [0, 1, 2, 3]
+    assert acc[0]["top5"] > 0.3
+
+
+def test_pt_and_safetensors_load_identically(micro_family, tmp_path):
+    from specdeploy.export.medusa_heads import load_heads, save_heads
+
+    src = _random_heads(micro_family, "safetensors", 3)
+    cfg = json.loads((micro_family / "target" / "config.json").read_text())
+    a = load_heads(src, cfg["hidden_size"], cfg["vocab_size"])
+    save_heads(a, tmp_path / "pt", "pt")
+    b = load_heads(tmp_path / "pt", cfg["hidden_size"], cfg["vocab_size"])
+    for (ka, va), (kb, vb) in zip(a.heads.state_dict().items(), b.heads.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("hidden", "0.0.linear.weight has shape [32, 32], expected [64, 64]"),
+    ("vocab", "0.1.weight has shape [100, 64], expected [512, 64]"),
+    ("missing", "missing"),
+    ("extra_head", "unexpected tensors"),
+    ("no_weights", "holds no Medusa weights"),
+    ("corrupt", "could not read Medusa heads"),
+])
+def test_bad_heads_are_one_clear_error(micro_family, tmp_path, bad, needle):
+    from safetensors.torch import save_file
+
+    from specdeploy.export.medusa_heads import load_heads
+
+    cfg = json.loads((micro_family / "target" / "config.json").read_text())
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    hid, voc = (32 if bad == "hidden" else h), (100 if bad == "vocab" else v)
+    state = {"0.0.linear.weight": torch.zeros(hid, hid), "0.0.linear.bias": torch.zeros(hid),
+             "0.1.weight": torch.zeros(voc, hid)}
+    if bad == "missing":
+        del state["0.0.linear.bias"]
+    if bad == "extra_head":
+        state["1.1.weight"] = torch.zeros(v, h)
+    d = tmp_path / bad
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
+    if bad == "corrupt":
+        (d / "medusa_lm_head.pt").write_bytes(b"not a pickle")
+    elif bad != "no_weights":
+        save_file(state, str(d / "medusa_lm_head.safetensors"))
+    with pytest.raises(SpecDeployError) as err:
+        load_heads(d, h, v)
+    assert needle in str(err.value)
+
+
+def test_cli_rejects_mismatched_heads_before_writing(micro_family, tmp_path):
+    from specdeploy.export.medusa_heads import MedusaHeads, medusa_module_list, save_heads
+
+    heads = save_heads(MedusaHeads(medusa_module_list(2, 1, 16, 512), 1), tmp_path / "heads")
+    out = tmp_path / "out"
+    proc = run_cli("export", "--target", micro_family / "target", "--medusa", heads, "--out", out)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "hidden_size 64" in last and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- trees
+
+
+@pytest.mark.parametrize("name", sorted(published_trees()))
+def test_published_tree_buffers_are_consistent(name):
+    paths = published_trees()[name]
+    tree = Tree.from_paths(paths)
+    assert tree.size == len(paths) + 1
+    # Each node's rank path, rebuilt from parents and ranks, is exactly one input path.
+    node_path = [()] + [tuple(tree.ranks[j] for j in tree.path_to(i)[1:]) for i in range(1, tree.size)]
+    assert sorted(node_path[1:]) == sorted(map(tuple, paths))
+    for i, p in enumerate(node_path):
+        assert tree.depth[i] == len(p)  # position offset = depth
+        ancestors = {j for j, q in enumerate(node_path) if p[: len(q)] == q}  # root, ancestors, itself
+        assert set(np.flatnonzero(tree.mask[i])) == ancestors
+    leaves = tree.leaf_paths  # Medusa's retrieve indices
+    assert {n for path in leaves for n in path} == set(range(tree.size))
+    for path in leaves:
+        assert path[0] == 0 and all(tree.parents[b] == a for a, b in zip(path, path[1:]))
+        assert not tree.children[path[-1]]
+    assert len(leaves) == sum(1 for i in range(tree.size) if not tree.children[i])
+    padded = tree.padded_mask(tree.size + 3)
+    assert (padded[: tree.size, : tree.size] == tree.mask).all() and padded[tree.size:, tree.size:].trace() == 3
+
+
+def test_named_trees_ship_the_published_data():
+    from specdeploy.runtime.tree_files import resolve_tree, tree_names
+
+    for name, paths in published_trees().items():
+        assert name in tree_names()
+        assert resolve_tree(name)[1] == paths
+    for name in tree_names():
+        Tree.from_paths(resolve_tree(name)[1])  # every shipped tree is valid
+
+
+@pytest.mark.parametrize("tree,needle", [
+    ([[0], [0, 0], [1, 0]], "not prefix-closed"),
+    ([[0], [0]], "listed twice"),
+    ([[0], [-1]], "rank outside"),
+    ([[0], [0, 0], [0, 0, 0]], "deeper than the 2 levels"),
+    ("no_such_tree", "neither a tree file nor a known name"),
+    ([], "non-empty list"),
+])
+def test_malformed_tree_is_one_clear_error(tree, needle):
+    from specdeploy.runtime.drafters.medusa import validate
+
+    with pytest.raises(SpecDeployError) as err:
+        validate({"heads": 2, "tree": tree})
+    assert needle in str(err.value)
+
+
+def test_tree_larger_than_the_graph_is_one_clear_error(exports):
+    from specdeploy.runtime.generate import Generation
+
+    export = exports["trained"]
+    ids = export.tokenizer.encode("def f():")
+    k, largest = export.method_params("medusa")["top_k"], export.decoder("target").sizes[-1]
+    wide = [list(p) for n in (1, 2, 3) for p in itertools.product(range(k), repeat=n)]  # ranks within top-k
+    with pytest.raises(SpecDeployError) as err:
+        Generation(export, ids, method="medusa", method_overrides={"tree": wide})
+    assert f"needs a target graph of {len(wide) + 1} tokens; this export's largest is {largest}" in str(err.value)
+    with pytest.raises(SpecDeployError, match=f"needs top_k >= 10, but medusa.top_k is {k}"):
+        Generation(export, ids, method="medusa", method_overrides={"tree": "mc_sim_7b_63"})
+    with pytest.raises(SpecDeployError, match="exceed the verify graph's 9 tokens"):
+        Tree.from_paths(wide, max_size=9)
+
+
+def test_tree_mask_logits_equal_sequential_decoding(exports):
+    """The 63-node published tree scored in one masked call == each path decoded on its own."""
+    export = exports["pt"]
+    params = export.method_params("medusa")
+    tree = Tree.from_paths(params["tree_paths"]["paths"])
+    dec = export.decoder("target")
+    prompt = export.tokenizer.encode("def read(path):\n    with open(path) as f:")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, export.manifest.models["target"].vocab_size, tree.size)
+    dec.reset()
+    dec.prefill(prompt, export.prefill_chunk)
+    base = dec.cache.length
+    tree_out = dec.forward(tokens, base + tree.depth, tree.mask)
+    for path in tree.leaf_paths:
+        dec.cache.length = base
+        n = len(path)
+        seq = dec.forward(tokens[path], base + np.arange(n), np.tril(np.ones((n, n), bool)))
+        np.testing.assert_allclose(tree_out.logits[path], seq.logits, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(tree_out.hidden[path], seq.hidden, atol=2e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- drafter and generation
+
+
+def test_heads_graph_and_tree_fill_match_pytorch(exports, medusa_exports, micro_family):
+    """Node (depth d, rank r) holds head d-1's r-th candidate; the graph equals the torch heads."""
+    from specdeploy.export.medusa_heads import load_heads
+    from specdeploy.runtime.drafters.base import DecodeState
+    from specdeploy.runtime.methods import build_drafter
+
+    export = exports["pt"]
+    params = export.method_params("medusa")
+    drafter = build_drafter("medusa", export, params)
+    spec = export.manifest.models["target"]
+    heads = load_heads(BUILD / "test_models" / "medusa_random_pt", spec.hidden_size, spec.vocab_size)
+    hidden = np.random.default_rng(5).standard_normal(spec.hidden_size).astype(np.float32)
+    drafter.hidden = hidden
+    proposal = drafter.propose(DecodeState([7], SamplingParams(), np.random.default_rng(0)))
+    with torch.no_grad():
+        ref = heads.logits(torch.from_numpy(hidden)).topk(params["top_k"], -1).indices.numpy()
+    tree = proposal.tree
+    assert proposal.tokens[0] == 7
+    for i in range(1, tree.size):
+        assert proposal.tokens[i] == ref[tree.depth[i] - 1, tree.ranks[i]]
+
+
+@pytest.mark.parametrize("which", ["trained", "pt", "safetensors"])
+def test_greedy_equals_hf_greedy(exports, hf_reference, which):
+    from specdeploy.runtime.generate import generate
+
+    export = exports[which]
+    accepted = 0
+    for prompt in PROMPTS:
+        ids = export.tokenizer.encode(prompt)
+        ours = generate(export, ids, method="medusa", max_new_tokens=NEW, ignore_eos=True)
+        assert ours.token_ids == hf_reference[prompt], (which, prompt)
+        accepted += ours.stats["accepted_drafts"]
+    if which == "trained":  # the equality is not vacuous: trained heads' drafts were accepted
+        assert accepted >= len(PROMPTS) * 4
+
+
+def exact_joint(export, ids, params, n):
+    """{(x1..xn): probability} of the target's first n tokens under `params`, from its logits."""
+    dec = export.decoder("target")
+    dist = {}
+
+    def walk(prefix, prob):
+        if len(prefix) == n:
+            dist[tuple(prefix)] = prob
+            return
+        seq = ids + prefix
+        dec.reset()
+        dec.prefill(seq[:-1], export.prefill_chunk)
+        out = dec.forward(np.array(seq[-1:]), np.array([len(seq) - 1]), np.ones((1, 1), bool))
+        p = params.probs(out.logits[0])
+        for x in np.flatnonzero(p):
+            walk(prefix + [int(x)], prob * p[x])
+
+    walk([], 1.0)
+    return dist
+
+
+RUNS = 1500  # a residual rule that resamples from p after a rejection scores p < 1e-15 at 1200 runs
+
+
+def test_sampling_matches_target_distribution(exports):
+    """First token: the plain first step; tokens 2-3: one Medusa step (accepts, residuals, bonus).
+    A wrong residual rule (resampling from p after a rejection) fails this by far."""
+    from specdeploy.runtime.generate import generate
+
+    export = exports["trained"]
+    ids = export.tokenizer.encode("def foo(x):\n    return")
+    params = SamplingParams(temperature=1.0, top_k=4)
+    dist = exact_joint(export, ids, params, 3)
+    counts = dict.fromkeys(dist, 0)
+    drafted = 0
+    for seed in range(RUNS):
+        r = generate(export, ids, method="medusa", params=SamplingParams(1.0, 4, seed=seed), max_new_tokens=3,
+                     ignore_eos=True)
+        counts[tuple(r.token_ids)] += 1  # KeyError: a sample outside the target's support
+        drafted += r.stats["accepted_drafts"]
+    assert drafted > RUNS // 4  # the Medusa step really accepted drafts
+    keys = sorted(dist)
+    obs = np.array([counts[k] for k in keys], float)
+    exp = np.array([dist[k] for k in keys]) * RUNS
+    rare = exp < 5  # pool rare cells for the chi-square approximation
+    obs, exp = np.append(obs[~rare], obs[rare].sum()), np.append(exp[~rare], exp[rare].sum())
+    keep = exp > 0
+    assert chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- tree calibration
+
+
+def test_greedy_tree_construction_is_optimal_per_size():
+    from specdeploy.runtime.tree_tuning import greedy_order
+
+    rates = np.array([[0.5, 0.3, 0.1], [0.7, 0.2, 0.05]])
+    order = greedy_order(rates, 20)
+    universe = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
+    value = lambda p: float(np.prod([rates[d, r] for d, r in enumerate(p)]))  # noqa: E731
+    for n in range(1, len(universe) + 1):
+        prefix = {p for p, _ in order[:n]}
+        assert all(len(p) == 1 or p[:-1] in prefix for p in prefix)  # every prefix is a valid tree
+        best = max(sum(value(p) for p in s) for s in itertools.combinations(universe, n)
+                   if all(len(p) == 1 or p[:-1] in s for p in s))
+        assert sum(value(p) for p in prefix) == pytest.approx(best)
+
+
+def test_choose_tree_trades_acceptance_for_time():
+    from specdeploy.runtime.tree_tuning import TimeModel, choose_tree, empirical_expected_tokens
+
+    rates = np.array([[0.6, 0.2, 0.1, 0.05]] * 4)
+    flat = choose_tree(rates, TimeModel([(1, 1e-3), (64, 1e-3)]), max_nodes=40)
+    steep = choose_tree(rates, TimeModel([(1, 1e-3), (2, 1.3e-3), (64, 30e-3)]), max_nodes=40)
+    assert len(flat.paths) == 40 and 1 <= len(steep.paths) < 8
+    assert flat.expected_tokens > steep.expected_tokens
+    # Noisy timings never make a bigger call cheaper.
+    noisy = TimeModel([(1, 1e-3), (16, 3e-3), (27, 2e-3)])
+    assert noisy.verify(27) >= noisy.verify(16) and noisy.verify(40) >= noisy.verify(27)
+    # Greedy acceptance of recorded steps: the longest tree path along the actual ranks, plus the bonus.
+    assert empirical_expected_tokens([[0], [0, 0], [1]], [(0, 0, 2), (1, 0), (2,), ()]) == pytest.approx((3 + 2 + 1 + 1) / 4)
+
+
+def test_tune_tree_cli_writes_a_usable_tree(medusa_exports, exports, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS[:3]))
+    out = tmp_path / "tuned.json"
+    proc = run_cli("tune-tree", medusa_exports["trained"], "--method", "medusa", "--prompts", prompts,
+                   "--max-new-tokens", "24", "--max-nodes", "20", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    cal = doc["calibration"]
+    assert cal["positions"] > 20 and len(cal["acceptance"]["rates"]) == 4
+    assert 1 <= len(doc["paths"]) <= 20
+    # The runtime accepts it as a tree for this export (ranks within top-k, depth within heads).
+    params = exports["trained"].method_params("medusa", {"tree": str(out)})
+    assert params["tree_paths"]["paths"] == doc["paths"]

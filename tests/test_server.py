@@ -1,0 +1,441 @@
+"""`specdeploy serve` end to end: a real server process, the official `openai` client, raw HTTP where needed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import run_cli
+from load_test import run_load
+from serve_util import ServerProcess, metric_value
+
+# A small template in the usual HF style: BOS, one tagged line per message, a generation prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unsupported role ' + m['role']) }}{% endif %}"
+    "[{{ m['role'] | upper }}] {{ m['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+)
+LONG = 1000  # tokens of a request that keeps its worker busy for a while (max_context is 1024 below)
+
+
+@pytest.fixture(scope="module")
+def chat_export(micro_family, tmp_path_factory) -> Path:
+    """The micro family with a chat template in its tokenizer_config, exported with a 1024-token context."""
+    from specdeploy.export.exporter import export_all
+
+    root = tmp_path_factory.mktemp("serve")
+    target = root / "target"
+    shutil.copytree(micro_family / "target", target)
+    cfg_path = target / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    (root / "config.yaml").write_text("max_context: 1024\n")
+    return export_all(target, root / "micro-chat", draft=micro_family / "draft", config=root / "config.yaml",
+                      progress=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def server(chat_export):
+    with ServerProcess(chat_export, "--pool-size", "2", "--queue", "16") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tight_server(chat_export):
+    """One worker, one queue slot: a third concurrent request is refused."""
+    with ServerProcess(chat_export, "--pool-size", "1", "--queue", "1") as srv:
+        yield srv
+
+
+def make_client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture()
+def client(server):
+    return make_client(server)
+
+
+MODEL = "micro-chat"
+
+
+def cli_generate(export: Path, *args) -> dict:
+    proc = run_cli("generate", export, *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def stream_text(chunks, chat: bool = False) -> tuple[str, str | None]:
+    text, finish = [], None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            piece = choice.delta.content if chat else choice.text
+            text.append(piece or "")
+            finish = choice.finish_reason or finish
+    return "".join(text), finish
+
+
+# ------------------------------------------------------------------------------ basics
+
+
+def test_health_and_models(server, client):
+    health = server.health()
+    assert health["status"] == "ok" and health["pool_size"] == 2 and health["queue_size"] == 16
+    assert health["chat_template"] is True and {"ar", "draft", "prompt-lookup"} <= set(health["methods"])
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def stop_inside(text: str) -> str:
+    """A stop string the greedy answer is sure to contain (taken from its middle)."""
+    middle = text[len(text) // 2:].lstrip()
+    assert len(middle) >= 3, text
+    return middle[:3]
+
+
+@pytest.mark.parametrize("method, prompt, with_stop", [
+    ("ar", "Once upon a time", False),
+    ("draft", "def main():\n    ", False),
+    ("prompt-lookup", "Once upon a time", True),
+])
+def test_greedy_completion_equals_cli(server, client, chat_export, method, prompt, with_stop):
+    args = ["--method", method, "--prompt", prompt, "--max-new-tokens", "40"]
+    stop = stop_inside(cli_generate(chat_export, *args)["text"]) if with_stop else None
+    args += ["--stop", stop] if stop else []
+    expected = cli_generate(chat_export, *args)
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                     stop=stop, extra_body={"method": method})
+    assert resp.object == "text_completion" and resp.model == MODEL
+    assert resp.choices[0].text == expected["text"]
+    assert resp.choices[0].finish_reason == expected["finish_reason"]
+    assert resp.usage.completion_tokens == len(expected["token_ids"])
+    assert resp.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    if stop:  # the case must exercise the stop string, or it tests nothing
+        assert expected["finish_reason"] == "stop" and stop not in resp.choices[0].text
+
+
+def test_completion_with_token_id_prompt(server, client, chat_export):
+    expected = cli_generate(chat_export, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "12")
+    resp = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0)
+    assert resp.choices[0].text == expected["text"] and resp.usage.prompt_tokens == 4
+
+
+def test_chat_completion_uses_the_tokenizer_template(server, client, chat_export):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Print hello."}]
+    # The reference rendering: transformers' own apply_chat_template on the exported tokenizer.
+    ids = AutoTokenizer.from_pretrained(str(chat_export / "tokenizer")).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    expected = cli_generate(chat_export, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "30")
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected["text"]
+    assert resp.choices[0].finish_reason == expected["finish_reason"]
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(expected["token_ids"])
+    # content as a list of text parts renders the same prompt
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You write "}, {"type": "text", "text": "Python."}]},
+             messages[1]]
+    resp2 = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=30, temperature=0)
+    assert resp2.choices[0].message.content == expected["text"] and resp2.usage.prompt_tokens == len(ids)
+
+
+def test_chat_template_refusal_is_400(server, client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+    assert "unsupported role tool" in err.value.body["message"] and err.value.body["param"] == "messages"
+
+
+def test_chat_without_template_is_400(micro_export):
+    with ServerProcess(micro_export) as srv:
+        with pytest.raises(openai.BadRequestError) as err:
+            make_client(srv).chat.completions.create(model="micro", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.body["code"] == "no_chat_template"
+        assert make_client(srv).completions.create(model="micro", prompt="hi", max_tokens=3).usage.completion_tokens
+
+
+# ------------------------------------------------------------------------------ streaming
+
+
+@pytest.mark.parametrize("options", [
+    {"temperature": 0},
+    {"temperature": 0.8, "seed": 7, "extra_body": {"method": "draft", "top_k": 50}},
+    {"temperature": 0, "stop": "FROM_OUTPUT", "extra_body": {"method": "prompt-lookup"}},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 3, "extra_body": {"ignore_eos": True}},
+])
+def test_streaming_concatenation_equals_non_streaming(server, client, options):
+    prompt = "Once upon a time"
+    if options.get("stop") == "FROM_OUTPUT":  # stop strings are held back while streaming: make one hit
+        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+        options = {**options, "stop": ["\x00never", stop_inside(plain)]}
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, **options)
+    text, finish = stream_text(client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, stream=True,
+                                                         **options))
+    assert full.choices[0].text and text == full.choices[0].text
+    assert finish == full.choices[0].finish_reason
+
+    messages = [{"role": "user", "content": prompt}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, **options)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, stream=True,
+                                                 stream_options={"include_usage": True}, **options))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text, finish = stream_text(chunks, chat=True)
+    assert text == full.choices[0].message.content and finish == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_raw_sse_format(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+def test_concurrent_clients_each_get_their_own_answer(server, client):
+    jobs = [dict(prompt=p, max_tokens=40, temperature=t, seed=s, extra_body={"method": m, "ignore_eos": True})
+            for p, t, s, m in [("Once upon a time", 0, None, "ar"), ("def main():", 0, None, "draft"),
+                               ("import numpy", 0.9, 11, "draft"), ("The weather", 0.9, 12, "ar"),
+                               ("class Foo:", 0, None, "prompt-lookup"), ("for i in", 1.0, 13, "prompt-lookup"),
+                               ("Hello, world", 0.5, 14, "ar"), ("In the beginning", 0, None, "draft")]]
+    sequential = [client.completions.create(model=MODEL, **job).choices[0].text for job in jobs]
+    assert len(set(sequential)) > 4  # different prompts really give different answers
+
+    health_latency, stop = [], threading.Event()
+
+    def probe():  # the event loop must stay responsive while generations run in worker threads
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            httpx.get(f"{server.url}/health", timeout=10)
+            health_latency.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            parallel = list(pool.map(lambda job: make_client(server).completions.create(model=MODEL, **job)
+                                     .choices[0].text, jobs * 2))
+    finally:
+        stop.set()
+        prober.join()
+    assert parallel == sequential * 2
+    assert health_latency and max(health_latency) < 2.0
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+BAD = [
+    (b"{not json", 400, None, "invalid_json"),
+    (b"[1, 2]", 400, None, "invalid_type"),
+    (b"", 400, None, "invalid_json"),
+    ({"prompt": "x"}, 400, "model", "missing_required_parameter"),
+    ({"model": MODEL}, 400, "prompt", "missing_required_parameter"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a"] * 40}, 400, "stop", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "method": "nope"}, 400, "method", "unknown_method"),
+    ({"model": MODEL, "prompt": "x", "top_k": -3}, 400, "top_k", "invalid_value"),
+    ({"model": MODEL, "prompt": 123}, 400, "prompt", "invalid_type"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": "word " * 3000}, 400, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": [5] * 1100}, 400, "prompt", "context_length_exceeded"),
+]
+BAD_CHAT = [
+    ({"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
+    ({"model": MODEL, "messages": "hi"}, 400, "messages", "invalid_type"),
+    ({"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages[0].role", "missing_required_parameter"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_type"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content[0]", "unsupported_content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     400, "tools", "unsupported_parameter"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     400, "max_completion_tokens", "invalid_value"),
+]
+
+
+def _check_error(resp: httpx.Response, status: int, param, code) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "Traceback" not in err["message"]
+    assert err["param"] == param and err["code"] == code
+
+
+@pytest.mark.parametrize("body, status, param, code", BAD, ids=lambda x: None)
+def test_bad_completion_request(server, body, status, param, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(f"{server.url}/v1/completions", content=content, timeout=30,
+                      headers={"content-type": "application/json"})
+    _check_error(resp, status, param, code)
+
+
+@pytest.mark.parametrize("body, status, param, code", BAD_CHAT, ids=lambda x: None)
+def test_bad_chat_request(server, body, status, param, code):
+    _check_error(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30), status, param, code)
+
+
+def test_bad_requests_through_the_openai_client(server, client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert err.value.status_code == 400 and err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"method": "medusa-does-not-exist"})
+    with pytest.raises(openai.BadRequestError) as err:  # also refused before a stream starts
+        client.completions.create(model=MODEL, prompt="x", top_p=2, stream=True)
+    assert err.value.body["param"] == "top_p"
+
+
+def test_http_level_errors(server):
+    _check_error(httpx.get(f"{server.url}/v1/nothing"), 404, None, "not_found")
+    _check_error(httpx.get(f"{server.url}/v1/completions"), 405, None, "method_not_allowed")
+    big = b'{"model": "x", "prompt": "' + b"a" * (2 << 20) + b'"}'
+    _check_error(httpx.post(f"{server.url}/v1/completions", content=big, timeout=30), 413, None, "request_too_large")
+    assert server.health()["status"] == "ok"
+
+
+# ------------------------------------------------------------------------------ capacity and disconnects
+
+
+def _wait_for(condition, timeout: float = 15.0) -> None:
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, "timed out waiting for the server's state"
+        time.sleep(0.01)
+
+
+def _wait_idle(srv: ServerProcess) -> None:
+    _wait_for(lambda: srv.health()["in_use"] == 0 and srv.health()["waiting"] == 0)
+
+
+def test_full_queue_is_429_and_disconnects_free_their_place(tight_server):
+    client = make_client(tight_server)
+    _wait_idle(tight_server)
+    before = tight_server.metrics()
+
+    # A: generating, holding the only worker
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=LONG, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    assert next(chunks).choices[0].text is not None
+    assert tight_server.health()["in_use"] == 1
+    # B: waiting in the one queue slot, on a raw connection this test can drop at will
+    body = json.dumps({"model": MODEL, "prompt": "queued", "max_tokens": 8}).encode()
+    queued = socket.create_connection(("127.0.0.1", tight_server.port))
+    queued.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    _wait_for(lambda: tight_server.health()["waiting"] == 1)
+    # C: pool and queue are full
+    for call in (lambda: client.completions.create(model=MODEL, prompt="hi", max_tokens=4),
+                 lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=4, stream=True)):
+        with pytest.raises(openai.RateLimitError) as err:
+            call()
+        assert err.value.status_code == 429 and err.value.body["code"] == "server_busy"
+        assert err.value.response.headers.get("retry-after")
+    queued.close()  # B goes away while queued: its place is freed, it never runs
+    _wait_for(lambda: tight_server.health()["waiting"] == 0)
+    stream.close()  # A goes away mid-stream: its worker is freed
+    _wait_idle(tight_server)
+
+    after = tight_server.metrics()
+    delta = lambda name, **labels: metric_value(after, name, **labels) - metric_value(before, name, **labels)
+    assert delta("specdeploy_generations_total") == 1  # A only: B never got a worker
+    assert delta("specdeploy_generations_total", finish_reason="cancelled") == 1
+    assert delta("specdeploy_generated_tokens_total") < LONG  # A really stopped early
+    assert delta("specdeploy_requests_total", status="429") == 2
+    assert delta("specdeploy_requests_total", status="499") == 1  # B, "client closed request"
+    resp = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0)
+    assert resp.usage.completion_tokens == 4
+
+
+def test_disconnect_of_a_non_streaming_request_frees_the_worker(tight_server):
+    _wait_idle(tight_server)
+    cancelled0 = metric_value(tight_server.metrics(), "specdeploy_generations_total", finish_reason="cancelled")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the answer
+        httpx.post(f"{tight_server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    _wait_idle(tight_server)
+    assert metric_value(tight_server.metrics(), "specdeploy_generations_total",
+                        finish_reason="cancelled") == cancelled0 + 1
+    assert make_client(tight_server).completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
+
+
+# ------------------------------------------------------------------------------ observability and load
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0, extra_body={"method": "draft"})
+    list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, stream=True))
+    httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 5})
+    resp = httpx.get(f"{server.url}/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    text = resp.text
+    assert metric_value(text, "specdeploy_requests_total", endpoint="/v1/completions", status="200") >= 2
+    assert metric_value(text, "specdeploy_requests_total", endpoint="/v1/completions", status="400") >= 1
+    assert metric_value(text, "specdeploy_generated_tokens_total", method="draft") >= 10
+    assert metric_value(text, "specdeploy_acceptance_length_count", method="draft") >= 1
+    assert metric_value(text, "specdeploy_acceptance_length_sum", method="draft") >= 1  # >= 1 token per call
+    assert metric_value(text, "specdeploy_request_latency_seconds_count", endpoint="/v1/completions") >= 2
+    assert metric_value(text, "specdeploy_time_to_first_token_seconds_count") >= 1
+    assert "specdeploy_queue_depth 0.0" in text and "specdeploy_workers 2.0" in text
+
+
+def test_short_load(server):
+    report = run_load(server.url, MODEL, clients=4, seconds=8, max_tokens=24, methods=["ar", "draft", "prompt-lookup"])
+    print(json.dumps(report, indent=2))
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["requests"] >= 8 and report["tokens"] > 0
+    assert report["latency_s"]["p50"] <= report["latency_s"]["p99"]
+    assert server.health()["in_use"] == 0
+
+
+def test_runtime_and_server_never_import_torch():
+    code = ("import sys, specdeploy.runtime.service, specdeploy.runtime.aio, specdeploy.serve.app, specdeploy.cli\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,163 @@
+"""The embedding API in-process: pool admission, FIFO hand-over, cancellation, stats, the asyncio bridge."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specdeploy.runtime import AsyncRequest, BusyError, Export, Generation, SamplingParams, Service, SpecDeployError
+
+
+@pytest.fixture(scope="module")
+def export_dir(micro_export):
+    return micro_export
+
+
+def test_generate_equals_a_plain_generation(export_dir):
+    svc = Service.load(export_dir, pool_size=1)
+    export = Export(export_dir)
+    for method, params in [("ar", SamplingParams()), ("draft", SamplingParams(0.8, 0, 1.0, 5))]:
+        ids = export.tokenizer.encode("def main():")
+        want = Generation(export, ids, method=method, params=params, max_new_tokens=30).result()
+        got = svc.generate("def main():", method=method, temperature=params.temperature, seed=params.seed,
+                           max_new_tokens=30)
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        for key in ("queue_s", "total_s", "acceptance_length", "target_calls", "tokens_per_s"):
+            assert key in got.stats
+    assert svc.pool.in_use == 0
+
+
+def test_threads_share_one_service(export_dir):
+    svc = Service.load(export_dir, pool_size=2, queue_size=16)
+    jobs = [dict(prompt=p, method=m, temperature=t, seed=s, max_new_tokens=30, ignore_eos=True)
+            for p, m, t, s in [("import os", "ar", 0.0, None), ("class A:", "draft", 0.9, 1),
+                               ("Once upon", "prompt-lookup", 0.0, None), ("The end", "draft", 0.0, None),
+                               ("x = 1", "ar", 0.7, 2), ("def f(", "prompt-lookup", 1.0, 3)]]
+    sequential = [svc.generate(**job).token_ids for job in jobs]
+    with ThreadPoolExecutor(6) as pool:
+        parallel = list(pool.map(lambda job: svc.generate(**job).token_ids, jobs * 2))
+    assert parallel == sequential * 2
+    assert svc.pool.in_use == 0 and svc.pool.waiting == 0
+
+
+def test_full_queue_and_queue_timeout_are_busy(export_dir):
+    svc = Service.load(export_dir, pool_size=1, queue_size=1, queue_timeout=0.3)
+    held = svc.stream("hold", max_new_tokens=5)  # started, not iterated: holds the only instance
+    outcome = {}
+
+    def waiter():
+        t0 = time.monotonic()
+        try:
+            svc.generate("wait", max_new_tokens=3)
+        except BusyError as exc:
+            outcome["error"], outcome["waited"] = str(exc), time.monotonic() - t0
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    while svc.pool.waiting == 0:
+        time.sleep(0.005)
+    with pytest.raises(BusyError, match="queue .* is full"):  # the one queue slot is taken
+        svc.generate("refused", max_new_tokens=3)
+    t.join()
+    assert "within" in outcome["error"] and outcome["waited"] >= 0.25
+    held.close()
+    assert svc.generate("after", max_new_tokens=3).token_ids
+
+
+def test_hand_over_is_fifo_and_cancel_leaves_the_queue(export_dir):
+    svc = Service.load(export_dir, pool_size=1, queue_size=4, queue_timeout=30)
+    held = svc.stream("hold", max_new_tokens=5)
+    order, reqs = [], []
+
+    def run(req, name):
+        if req.start():
+            order.append(name)
+            req.close()
+
+    threads = []
+    for name in "abc":
+        reqs.append(svc.request(name, max_new_tokens=2))
+        threads.append(threading.Thread(target=run, args=(reqs[-1], name)))
+        threads[-1].start()
+        while svc.pool.waiting < len(threads):
+            time.sleep(0.005)
+    reqs[1].cancel()  # "b" gives up its place
+    assert svc.pool.waiting == 2
+    held.close()
+    for t in threads:
+        t.join(5)
+    assert order == ["a", "c"] and reqs[1].finish_reason == "cancelled"
+    assert svc.pool.in_use == 0 and svc.pool.waiting == 0
+
+
+def test_cancel_mid_stream_returns_the_instance(export_dir):
+    svc = Service.load(export_dir, pool_size=1, queue_size=0)
+    req = svc.stream("Once upon a time", max_new_tokens=400, ignore_eos=True)
+    events = []
+    for event in req:
+        events.append(event)
+        if len(events) == 3:
+            threading.Thread(target=req.cancel).start()  # from another thread, as a server would
+    assert req.finish_reason == "cancelled" and len(req.token_ids) < 400
+    assert req.stats["finish_reason"] == "cancelled" and svc.pool.in_use == 0
+    # an abandoned iterator is freed by close() (or `with`)
+    with svc.stream("again", max_new_tokens=400, ignore_eos=True) as req2:
+        steps = iter(req2)
+        next(steps)
+        assert svc.pool.in_use == 1
+    assert svc.pool.in_use == 0
+    assert list(steps) == [] and req2.finish_reason == "cancelled"  # a closed request never steps again
+    assert svc.generate("next", max_new_tokens=3).token_ids
+
+
+def test_bad_requests_raise_before_queueing(export_dir):
+    svc = Service.load(export_dir, pool_size=1, queue_size=0)
+    held = svc.stream("hold", max_new_tokens=3)
+    for kwargs, match in [(dict(method="nope"), "not served"), (dict(temperature=-1), "temperature"),
+                          (dict(top_p=2.0), "top_p"), (dict(max_new_tokens=0), "max_new_tokens"),
+                          (dict(stop=5), "stop")]:
+        with pytest.raises(SpecDeployError, match=match) as err:
+            svc.request("x", **kwargs)
+        assert not isinstance(err.value, BusyError)
+    with pytest.raises(SpecDeployError, match="exactly one"):
+        svc.request("x", prompt_ids=[1, 2])
+    with pytest.raises(SpecDeployError, match="max context"):
+        svc.request(prompt_ids=[5] * svc.max_context)
+    held.close()
+    with pytest.raises(SpecDeployError, match="pool size"):
+        Service.load(export_dir, pool_size=0)
+
+
+def test_async_bridge(export_dir):
+    svc = Service.load(export_dir, pool_size=1, queue_size=0)
+    want = svc.generate("Hello", max_new_tokens=20)
+
+    async def main():
+        run = AsyncRequest(svc.request("Hello", max_new_tokens=20))
+        assert await run.start()
+        with pytest.raises(BusyError):  # the only instance is taken
+            await AsyncRequest(svc.request("other", max_new_tokens=2)).start()
+        text = "".join([event.text async for event in run])
+        return text, run.request
+
+    text, req = asyncio.run(main())
+    assert text == want.text and req.token_ids == want.token_ids
+    deadline = time.monotonic() + 5
+    while svc.pool.in_use and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert svc.pool.in_use == 0
+
+
+def test_embedding_example_runs(export_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "embed_service.py"
+    proc = subprocess.run([sys.executable, str(example), str(export_dir)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("'status': 200") == 4 and "bad input: {'status': 400" in proc.stdout
