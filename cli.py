@@ -96,7 +96,7 @@ def cmd_tune_tree(args) -> int:
     from .runtime.export_dir import Export
     from .runtime.tree_tuning import read_prompts_file, tune, write_tree
 
-    export = Export(args.export, backend=args.backend)
+    export = Export(args.export, backend=args.backend, threads=args.threads)
     if args.prompts is not None:
         texts = read_prompts_file(args.prompts)
     else:  # held-out stdlib functions: text the family never trained on
@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (root excluded)")
     t.add_argument("--out", type=Path, help="tree file to write (default: EXPORT/tuned_tree_METHOD.json)")
     t.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
+    t.add_argument("--threads", type=int, help="ORT threads per session: time the graphs as you will serve them")
     t.set_defaults(func=cmd_tune_tree)
 
     from .bench.cli import add_parser as add_bench_parser  # arguments + handler live in bench/

@@ -28,7 +28,9 @@ GRAPH_NAME = "medusa_heads"
 INPUTS, OUTPUTS = ["hidden"], ["topk_ids", "topk_logprobs"]
 
 
-class MedusaHeadsGraph(nn.Module):
+class MedusaHeadsModule(nn.Module):
+    """hidden [1, H] -> (topk_ids, topk_logprobs) [num_heads, K]: the graph's PyTorch side."""
+
     def __init__(self, heads: MedusaHeads, num_heads: int, top_k: int):
         super().__init__()
         self.heads = nn.ModuleList(heads.heads[:num_heads])
@@ -73,7 +75,7 @@ class MedusaExport:
     def __call__(self, ctx: dict) -> None:
         params = ctx["methods"]["medusa"]
         start = time.perf_counter()
-        wrapper = MedusaHeadsGraph(self.heads, params["heads"], params["top_k"]).eval()
+        wrapper = MedusaHeadsModule(self.heads, params["heads"], params["top_k"]).eval()
         hidden = self.heads.hidden_size
         out = ctx["out"]
         sample = {"hidden": np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)}

@@ -15,6 +15,7 @@ from .errors import SpecDeployError
 from .export_dir import Export
 from .methods import build_drafter
 from .sampling import SamplingParams
+from .tokenizer import IncrementalDecoder
 from .verify import verify
 
 
@@ -68,6 +69,7 @@ class Generation:
         self.prompt_len = len(prompt_ids)
         self.new_ids: list[int] = []
         self.text, self._shown = "", 0
+        self._detok = IncrementalDecoder(export.tokenizer)
         self.finish_reason: str | None = None
         self._cancelled = False
         self.stats = {"method": method, "new_tokens": 0, "target_calls": 0, "prefill_calls": 0,
@@ -130,7 +132,7 @@ class Generation:
         if tok in self.eos:
             self.finish_reason = "stop"
             return TokenEvent(tok, "")
-        self.text = self.export.tokenizer.decode(self.new_ids)
+        self.text += self._detok.push(tok)
         if self.stop:
             hits = [i for i in (self.text.find(s, max(0, self._shown - len(s))) for s in self.stop) if i >= 0]
             if hits:
@@ -143,8 +145,6 @@ class Generation:
     def _delta(self, final: bool) -> str:
         safe = len(self.text)
         if not final:
-            if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
-                safe -= 1
             if self.stop:  # hold back what could still become a stop string
                 safe = max(self._shown, safe - (max(len(s) for s in self.stop) - 1))
         delta = self.text[self._shown : safe]
@@ -152,6 +152,8 @@ class Generation:
         return delta
 
     def _flush(self) -> TokenEvent | None:
+        if self.finish_reason != "stop" or self.new_ids[-1:] and self.new_ids[-1] in self.eos:
+            self.text += self._detok.flush()  # a stop string already cut the text: nothing after it
         if self._shown < len(self.text):
             return TokenEvent(-1, self._delta(final=True))
         return None

@@ -30,3 +30,34 @@ class TextTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+class IncrementalDecoder:
+    """Text deltas for a growing list of token ids, decoding only a short window.
+
+    Decoding the whole output per token is O(n^2). Like vLLM's detokenizer, decode
+    from a prefix offset a few tokens back (so decoders that treat a leading space
+    specially still see context) and emit what lies beyond the already-read text;
+    an incomplete UTF-8 sequence (trailing U+FFFD) waits for its next byte.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """What is still held back at the end (an undecodable tail decodes as U+FFFD)."""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :] if len(after) > len(before) else ""

@@ -30,11 +30,14 @@ def micro_family() -> Path:
 
 
 @pytest.fixture(scope="session")
-def micro_export(micro_family) -> Path:
-    """Target + draft of the micro family, exported with the default config."""
+def micro_export(micro_family, tmp_path_factory) -> Path:
+    """Target + draft of the micro family, exported with the default config.
+
+    Into this session's own temp dir, so concurrent test sessions never share it.
+    """
     from specdeploy.export.exporter import export_all
 
-    out = BUILD / "test_exports" / "micro"
+    out = tmp_path_factory.mktemp("exports") / "micro"
     export_all(micro_family / "target", out, draft=micro_family / "draft", progress=lambda msg: None)
     return out
 
@@ -54,12 +57,13 @@ def random_models(micro_family) -> dict[str, tuple[Path, Path]]:
 
 
 @pytest.fixture(scope="session")
-def arch_exports(random_models) -> dict[str, Path]:
+def arch_exports(random_models, tmp_path_factory) -> dict[str, Path]:
     from specdeploy.export.exporter import export_all
 
+    root = tmp_path_factory.mktemp("arch_exports")
     out = {}
     for arch, (target, draft) in random_models.items():
-        out[arch] = export_all(target, BUILD / "test_exports" / arch, draft=draft, progress=lambda msg: None)
+        out[arch] = export_all(target, root / arch, draft=draft, progress=lambda msg: None)
     return out
 
 

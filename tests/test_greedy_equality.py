@@ -97,3 +97,22 @@ def test_stop_strings_cut_text(micro):
     streamed = "".join(e.text for e in gen)
     assert gen.finish_reason == "stop"
     assert streamed == full[: full.index(stop)]
+
+
+def test_streamed_text_equals_full_decode(micro):
+    """The incremental detokenizer's deltas add up to decoding every new token at once."""
+    from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.sampling import SamplingParams
+    from specdeploy.runtime.tokenizer import IncrementalDecoder
+
+    for prompt in ("s = 'héllo wörld ✓ ", *PROMPTS[:3]):
+        gen = Generation(micro, micro.tokenizer.encode(prompt), method="draft", max_new_tokens=48, ignore_eos=True,
+                         params=SamplingParams(1.0, seed=3))
+        streamed = "".join(e.text for e in gen)
+        assert streamed == gen.text == micro.tokenizer.decode(gen.new_ids)
+    # Multi-byte characters split across byte-level tokens come out whole.
+    ids = micro.tokenizer.encode("αβγ ✓ 日本語")
+    detok = IncrementalDecoder(micro.tokenizer)
+    pieces = [detok.push(t) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == micro.tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)

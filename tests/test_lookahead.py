@@ -131,7 +131,7 @@ def chi_square_pvalue(samples, dist):
     return chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
-SAMPLING_RUNS = 1200
+SAMPLING_RUNS = 800
 
 
 # Under the root `.`, the prompt's n-grams start with different tokens (a trie with
@@ -148,7 +148,7 @@ def test_sampling_matches_target_distribution(micro, method, overrides):
     fully accepted candidate, sometimes a residual draw after rejections. Checked by
     hand with broken verifiers: sampling the residual from p (no zeroing), not
     renormalizing after a rejected sibling (lookahead's trie), or drawing the leaf's
-    bonus from its parent's distribution each fail here (p < 1e-10 or tokens outside
+    bonus from its parent's distribution each fail here (p < 1e-6 and/or tokens outside
     the support).
     """
     from specdeploy.runtime.generate import generate
@@ -169,7 +169,7 @@ def test_sampling_matches_target_distribution(micro, method, overrides):
 # ---------------------------------------------------------------- the packed call
 
 
-@pytest.mark.parametrize("window,ngram,guesses", [(5, 4, 4), (3, 2, 3), (4, 3, 2)])
+@pytest.mark.parametrize("window,ngram,guesses", [(3, 4, 2), (3, 2, 3), (4, 3, 2), (2, 5, 1)])  # T <= 16
 def test_packed_rows_equal_sequential_decoding(micro, window, ngram, guesses):
     """Each row of the one packed call (tree nodes, then the Jacobi window) has the logits of
     decoding its visible tokens one by one; tree rows see no window token and vice versa."""
@@ -179,7 +179,7 @@ def test_packed_rows_equal_sequential_decoding(micro, window, ngram, guesses):
     state = DecodeState(list(prompt), SamplingParams(), np.random.default_rng(0))
     drafter.start(state)
     root = prompt[-1]
-    for cand in [(5, 6, 7), (5, 6, 8), (9, 10, 11), (5, 12, 13)]:  # shared prefixes make a real trie
+    for cand in [(9, 10, 11, 3), (5, 12, 13, 3), (5, 6, 8, 3), (5, 6, 7, 3)]:  # the latest share a prefix: a real trie
         drafter.pool.add(root, cand[: ngram - 1])
     proposal = drafter.propose(state)
     assert proposal.tree.size >= 3  # candidates are in the call

@@ -242,7 +242,7 @@ def test_tree_larger_than_the_graph_is_one_clear_error(exports):
     export = exports["trained"]
     ids = export.tokenizer.encode("def f():")
     k, largest = export.method_params("medusa")["top_k"], export.decoder("target").sizes[-1]
-    wide = [list(p) for n in (1, 2, 3) for p in itertools.product(range(k), repeat=n)]  # ranks within top-k
+    wide = [list(p) for n in (1, 2, 3, 4) for p in itertools.product(range(k), repeat=n)]  # ranks within top-k
     with pytest.raises(SpecDeployError) as err:
         Generation(export, ids, method="medusa", method_overrides={"tree": wide})
     assert f"needs a target graph of {len(wide) + 1} tokens; this export's largest is {largest}" in str(err.value)

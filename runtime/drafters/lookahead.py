@@ -2,9 +2,11 @@
 
 Every step is ONE target call of a static size T = (N-1) * (W+G), two branches packed:
 
-- verification branch (the tree nodes): up to G n-grams from the pool whose first
-  token is the root, merged into a trie under the root and verified by
-  runtime/verify.py like any deterministic draft (greedy exact, sampling lossless);
+- verification branch (the tree nodes): up to G candidates of N-1 tokens, merged into
+  a trie under the root and verified by runtime/verify.py like any deterministic draft
+  (greedy exact, sampling lossless). First the continuation of the longest (2+ token)
+  earlier match of the context's suffix (prompt lookup: more precise than a 1-token
+  key), then the pool's n-grams whose first token is the root, most recent first;
 - lookahead branch (auxiliary tokens, never candidates, KV never committed): a 2D
   window of N-1 levels x W columns. Cell (l, i) sits at position root + i + l and
   sees cells (0, 0..i) and (1..l, i): a causal run of consecutive positions, so its
@@ -32,7 +34,7 @@ from .ngram_pool import NGramPool
 from .prompt_lookup import find_continuation
 
 KEYS = ("window", "ngram", "guesses")
-DEFAULTS = {"window": 5, "ngram": 4, "guesses": 4}
+DEFAULTS = {"window": 3, "ngram": 4, "guesses": 2}  # as configs/default.yaml
 SUFFIX_MAX = 4  # longest context suffix matched for the prompt-lookup candidate
 
 
@@ -97,7 +99,9 @@ class LookaheadDrafter(Drafter):
         self.steps = 0
 
     def _fill(self, context: Sequence[int], shape) -> np.ndarray:
-        return self.rng.choice(np.asarray(context, dtype=np.int64), size=shape)
+        """Random tokens of the context: cheap guesses that are at least plausible tokens."""
+        picks = self.rng.integers(0, len(context), size=shape)
+        return np.array([context[i] for i in picks.flat], dtype=np.int64).reshape(shape)
 
     def propose(self, state: DecodeState) -> Proposal:
         root = state.tokens[-1]
@@ -123,16 +127,16 @@ class LookaheadDrafter(Drafter):
             guesses = target_out.logits[rows].argmax(-1)
             # Harvest once levels 1..N-2 hold model outputs, not the random initial fill.
             if self.steps >= self.n - 2:
-                for i in range(self.w):
-                    self.pool.add(self.grid[0, i], (*self.grid[1:, i], guesses[i]))
+                for column in np.vstack([self.grid, guesses[None]]).T.tolist():
+                    self.pool.add(column[0], column[1:])
         else:  # plain decode near the context end: no new iterate
             guesses = self.grid[-1]
         self.steps += 1
         newer = np.vstack([self.grid[1:], guesses[None]])
-        grid = self._fill(state.tokens, newer.shape)
-        keep = self.w - (shift - 1)
-        if keep > 0:
-            grid[:, :keep] = newer[:, shift - 1 :]
-        self.grid = grid
+        keep = max(0, self.w - (shift - 1))
+        self.grid = np.empty_like(newer)
+        self.grid[:, :keep] = newer[:, shift - 1 :]
+        if keep < self.w:
+            self.grid[:, keep:] = self._fill(state.tokens, (self.n - 1, self.w - keep))
         # n-grams ending in the committed tokens: most recent, so proposed first
         self.pool.add_ngrams(state.tokens, len(state.tokens) - shift - self.n + 1)

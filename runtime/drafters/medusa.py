@@ -33,7 +33,7 @@ def validate(params: dict) -> dict:
     if unknown:
         raise SpecDeployError(f"config: unknown medusa settings {sorted(unknown)} (known: heads, tree, top_k)")
     heads = positive_int(params.get("heads", 4), "medusa.heads")
-    spec = params.get("tree", "medusa_cpu_16")
+    spec = params.get("tree", "medusa_cpu_8")
     cached = params.get("tree_paths")
     if isinstance(spec, str) and isinstance(cached, dict) and cached.get("name") == spec:
         label, paths = spec, cached["paths"]

@@ -37,14 +37,21 @@ def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int
     Inside a repeated run the most recent occurrence overlaps the suffix and leaves
     only a token or two to copy; an earlier one copies the full k."""
     length = len(tokens)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = tokens[length - n :]
-        # candidate starts: positions whose n tokens equal the suffix, excluding the suffix itself
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+    # ends[n-1]: end positions of the earlier n-grams equal to the suffix n-gram (the suffix
+    # itself excluded), grown one token at a time: one pass over the context, then
+    # only over the survivors. This runs every step, so it must stay cheap.
+    ends = [np.flatnonzero(tokens[: length - 1] == tokens[-1])]
+    for n in range(2, min(max_ngram, length - 1) + 1):
+        e = ends[-1][ends[-1] >= n - 1]
+        e = e[tokens[e - (n - 1)] == tokens[length - n]]
+        if not len(e):
+            break
+        ends.append(e)
+    for n in range(min(len(ends), max_ngram), min_ngram - 1, -1):
+        hits = ends[n - 1]
         if len(hits):
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if len(full) else hits[0]) + n
+            full = hits[hits + 1 + k <= length]
+            start = int(full[-1] if len(full) else hits[0]) + 1
             return tokens[start : start + k]
     return tokens[:0]
 
