@@ -51,6 +51,7 @@ class EagleTrainSpec:
     # Greedy acceptance is argmax agreement; a head trained on it is confident exactly where
     # greedy drafts get accepted, which is what EAGLE-2 ranks its dynamic tree by.
     hard_share: float = 1.0
+    intermediate: int = 0  # the head's MLP width (0: the target's); the head is read once per draft level
     noise: float = 0.2  # uniform noise amplitude on input features
     data_windows: int = 96  # train-split windows the target reads
     gen_prompts: int = 64  # train-split prompts the target continues greedily
@@ -76,7 +77,7 @@ PRESETS = {
     # The micro target is close to noise: its full distribution teaches the tiny head more than its argmax.
     "micro": EagleTrainSpec(steps=400, batch=8, lr=3e-3, hard_share=0.0, data_windows=48, gen_prompts=32,
                             gen_tokens=80, eval_windows=8, eval_prompts=8, threads=1),
-    "default": EagleTrainSpec(steps=300, batch=8, lr=2e-3, data_windows=160, gen_prompts=96, gen_tokens=112,
+    "default": EagleTrainSpec(steps=600, batch=8, lr=2e-3, data_windows=240, gen_prompts=128, gen_tokens=112,
                               bf16=True),
 }
 
@@ -233,7 +234,7 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     progress(f"[eagle] target features for {seqs.numel():,} positions ({len(generated)} greedy continuations) "
              f"in {time.perf_counter() - t0:.1f}s")
 
-    head = new_head(1, target, seed=spec.seed)
+    head = new_head(1, target, seed=spec.seed, intermediate=spec.intermediate or None)
     for p in (*head.embed_tokens.parameters(), *head.target_lm_head.parameters()):
         p.requires_grad_(False)
     run = train_head(head, seqs, feats, spec, progress)

@@ -110,7 +110,7 @@ MICRO = Preset(
     target_train=TrainSpec(steps=400, batch=8, lr=3e-3, warmup=20),
     draft_train=TrainSpec(steps=300, batch=8, lr=3e-3, warmup=20, kl_weight=0.9),
     eval_windows=32,
-    bf16=False,  # too small for bf16 to pay off
+    bf16=False,  # measured: bf16 autocast is 2-3x slower than fp32 at this size
 )
 
 DEFAULT = Preset(
@@ -122,8 +122,11 @@ DEFAULT = Preset(
     max_position_embeddings=1024,
     target=ModelSpec(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024),
     draft=ModelSpec(hidden=192, layers=1, heads=3, kv_heads=1, intermediate=768),
-    target_train=TrainSpec(steps=290, batch=8, lr=2e-3, warmup=30),
-    draft_train=TrainSpec(steps=250, batch=8, lr=3e-3, warmup=20, kl_weight=0.9),
+    # Small batches, many steps: at ~0.6M tokens, more updates beat bigger batches
+    # (proxy sweeps here: batch 8 -> 4 -> 2 at equal tokens kept lowering held-out
+    # loss and raising draft agreement; lr ~1e-3 target, ~3e-3 draft did best).
+    target_train=TrainSpec(steps=600, batch=4, lr=1e-3, warmup=40),
+    draft_train=TrainSpec(steps=800, batch=2, lr=3e-3, warmup=30, kl_weight=0.9),
     eval_windows=48,
     bf16=True,
 )
@@ -418,6 +421,9 @@ def _build(spec: Preset, out_dir: Path, say: Progress) -> dict:
 # ---------------------------------------------------------------- random models for arch tests
 
 
+RANDOM_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def _random_config(arch: str, vocab_size: int):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -433,12 +439,9 @@ def _random_config(arch: str, vocab_size: int):
         return MistralConfig(head_dim=16, sliding_window=None, **common)
     if arch == "qwen2":  # q/k/v projections carry a bias
         return Qwen2Config(use_sliding_window=False, **common)
-    if arch == "qwen3":  # per-head RMSNorm on q and k
-        return Qwen3Config(head_dim=16, attention_bias=False, use_sliding_window=False, **common)
-    raise ValueError(f"unknown architecture {arch!r}; expected one of {RANDOM_ARCHS}")
+    assert arch == "qwen3", arch  # per-head RMSNorm on q and k
+    return Qwen3Config(head_dim=16, attention_bias=False, use_sliding_window=False, **common)
 
-
-RANDOM_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def make_random_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -449,6 +452,8 @@ def make_random_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int =
     """
     from transformers import AutoModelForCausalLM
 
+    if arch not in RANDOM_ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {RANDOM_ARCHS}")
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     vocab_size = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _random_config(arch, vocab_size)

@@ -192,6 +192,8 @@ class EagleDrafter(Drafter):
         self.feature_key = "features" if head.version == 3 else "hidden"
         self.feats: list[np.ndarray] = []  # target features not yet fed to the head, in position order
         self.teacher: list[int] | None = None  # tree tuning: the whole greedy output, known in advance
+        configured = static_tree(params)
+        self.calibration_depth = max(self.depth, int(configured.depth.max()) if configured is not None else 0)
         self.record: list[tuple[int, ...]] = []  # tree tuning: ranks of the true tokens per step
 
     # -- target features in ---------------------------------------------------
@@ -328,9 +330,6 @@ class EagleDrafter(Drafter):
             self.head.cache.length = committed
         self.record.append(tuple(ranks))
 
-    @property
-    def calibration_depth(self) -> int:
-        return max(self.depth, int(self.tree.depth.max()) if self.tree is not None else 0)
 
 
 def collect_calibration(export, prompts: list[list[int]], max_new_tokens: int):
@@ -340,16 +339,14 @@ def collect_calibration(export, prompts: list[list[int]], max_new_tokens: int):
     from ..tree_tuning import AcceptanceStats, Calibration
 
     params = export.method_params("eagle")
-    overrides = {"mode": "eagle1"} if params.get("tree_paths") else {}
     stats, matched, steps, side_s = None, [], 0, 0.0
     for ids in prompts:
-        plain = Generation(export, ids, method="eagle", max_new_tokens=max_new_tokens, ignore_eos=True,
-                           method_overrides=overrides)
+        # The export's own mode drafts; the ranks are recorded along the true path either way.
+        plain = Generation(export, ids, method="eagle", max_new_tokens=max_new_tokens, ignore_eos=True)
         plain.result()  # the target's greedy output, and the drafting cost per step
         steps += plain.stats["target_calls"]
         side_s += plain.stats["draft_s"] + plain.stats["host_s"]
-        gen = Generation(export, ids, method="eagle", max_new_tokens=max_new_tokens, ignore_eos=True,
-                         method_overrides=overrides)
+        gen = Generation(export, ids, method="eagle", max_new_tokens=max_new_tokens, ignore_eos=True)
         gen.drafter.teacher = plain.state.tokens
         gen.result()
         drafter = gen.drafter
