@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     b.add_argument("--markdown", type=Path, help="write a BENCHMARKS.md-style report here")
     b.add_argument("--peers-dir", type=Path, help="peer venv and models (default build/peers)")
     b.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
+    b.add_argument("--ort-spinning", choices=["default", "off"], default="default",
+                   help="'off': idle ONNX Runtime threads sleep instead of spinning, for every system alike")
     b.set_defaults(func=cmd_bench)
 
 
@@ -49,6 +51,8 @@ def _command(args) -> str:
              "--repeats", str(args.repeats), "--threads", str(args.threads)]
     if args.temperature:
         parts += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
+    if args.ort_spinning != "default":
+        parts += ["--ort-spinning", args.ort_spinning]
     for p in args.prompts or []:
         parts += ["--prompts", str(p)]
     for flag in ("json", "plot", "markdown"):
@@ -74,7 +78,7 @@ def cmd_bench(args) -> int:
         peers=_list(args.peers, PEERS, "peer"), prompt_files=files, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
         threads=args.threads, seed=args.seed, peers_dir=args.peers_dir or peers.DEFAULT_PEERS_DIR,
-        measure_bandwidth=not args.no_bandwidth, command=_command(args))
+        measure_bandwidth=not args.no_bandwidth, ort_spinning=args.ort_spinning, command=_command(args))
     result = run_bench(opts)
     plot_path = report.plot(result, args.plot) if args.plot else None
     if args.json:

@@ -20,6 +20,8 @@ class OrtGenai:
         method, params = setup["method"], setup.get("method_params") or {}
         threads = setup["threads"]
         session = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+        if setup.get("ort_spinning") == "off":  # any other key is passed to ORT as a session config entry
+            session["session.intra_op.allow_spinning"] = "0"
         model = {"decoder": {"session_options": session}}
         # genai has no ignore-EOS switch and wants an in-vocabulary id: the pad id
         # (never a training target, so never emitted) stands in; a short output shows as a mismatch.

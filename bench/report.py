@@ -90,7 +90,7 @@ def plot(result: dict, path: str | Path) -> Path:
         ymax = top
         if ceiling and ceiling < 1.6 * top:  # only when it fits without squashing the bars
             ax.axhline(ceiling, color="black", linestyle=":", linewidth=0.8)
-            ax.text(len(methods) - 0.5, ceiling, "AR bandwidth ceiling", fontsize=7, va="bottom", ha="right")
+            ax.text(-0.45, ceiling, "AR bandwidth ceiling", fontsize=7, va="bottom", ha="left")
             ymax = max(top, ceiling)
         ax.set_xticks(range(len(methods)), methods)
         ax.set_ylim(0, ymax * 1.2)
@@ -145,6 +145,9 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               f"- CPU: {mach['cpu']}, {mach['cores']} cores ({mach['usable_cores']} usable), "
               f"last-level cache {mach.get('llc') or '?'}",
               f"- memory: {mach['memory_gib']} GiB",
+              f"- load average (1/5/15 min) at start {_load(mach.get('load_start'))}, at end {_load(mach.get('load_end'))}: "
+              "the cores are shared with whatever else runs, which is why systems are interleaved; compare rows "
+              "within one run rather than across runs",
               f"- {mach['platform']}, Python {mach['python']}",
               "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), ""]
     sets = meta["prompt_sets"]
@@ -158,7 +161,8 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               f"{'greedy' if meta['greedy'] else 'temperature ' + str(meta['temperature'])}, EOS ignored by every "
               "system, so all produce the same token counts; the same prompt token ids for every system",
               f"- {meta['threads']} threads for every system (ONNX Runtime intra-op threads / torch threads; "
-              "inter-op 1), one generation at a time, each (system, method) in its own process",
+              "inter-op 1), one generation at a time, each (system, method) in its own process; ONNX Runtime "
+              f"thread spinning: {meta.get('ort_spinning', 'default')} for every system",
               f"- interleaved: for each of {meta['repeats']} repeats, for each prompt, every system runs "
               "(order rotated); one warm-up generation per process not counted; "
               f"{meta['statistic']}; tokens/s = all new tokens / sum of the per-prompt medians "
@@ -209,8 +213,35 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
     return "\n".join(lines)
 
 
+def _load(values) -> str:
+    return "/".join(f"{v:.1f}" for v in values) if values else "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render the table, plot and Markdown from a saved --json result (no re-run)."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("json", type=Path)
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--markdown", type=Path)
+    args = p.parse_args(argv)
+    result = json.loads(args.json.read_text())
+    plot_path = plot(result, args.plot) if args.plot else None
+    if args.markdown:
+        args.markdown.write_text(benchmarks_md(result, plot_path, args.markdown))
+    sys.stdout.write(markdown_table(result))
+    return 0
+
+
 def _rel(path, md_path: Path) -> str:
     try:
         return os.path.relpath(Path(path).resolve(), Path(md_path).resolve().parent)
     except ValueError:
         return str(path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

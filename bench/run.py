@@ -12,6 +12,7 @@ Fairness rules (the README of the numbers, enforced here):
 from __future__ import annotations
 
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -58,6 +59,9 @@ class BenchOptions:
     peers_dir: Path = peerlib.DEFAULT_PEERS_DIR
     work_dir: Path = peerlib.REPO_ROOT / "build" / "bench"
     measure_bandwidth: bool = True
+    # "off": ONNX Runtime's idle intra-op threads sleep instead of spinning, for every ORT-based system
+    # (and OMP_WAIT_POLICY=PASSIVE for torch); on a shared machine spinning pools fight for the cores.
+    ort_spinning: str = "default"
     command: str = ""
 
 
@@ -136,6 +140,7 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
 
         params = validate_methods({method: {}})[method]
     setup = {"system": system, "method": method, "threads": opts.threads, "method_params": params,
+             "ort_spinning": opts.ort_spinning,
              "export": str(opts.export), "target": str(_source(export, "target")),
              "draft": str(_source(export, "draft")), "peers_dir": str(opts.peers_dir),
              "vocab_size": export.manifest.models["target"].vocab_size,
@@ -185,6 +190,7 @@ def run_bench(opts: BenchOptions) -> dict:
     sets = _prompt_sets(opts, export)
     rows, skipped = plan(opts, export)
     info = machine.describe()
+    info["load_start"] = os.getloadavg()
     bandwidth = None
     if opts.measure_bandwidth:  # before any worker loads, so nothing of ours competes with it
         _say("measuring memory bandwidth ...")
@@ -205,6 +211,7 @@ def run_bench(opts: BenchOptions) -> dict:
         if w.label in failed:
             skipped.append({"system": w.system, "method": w.method, "reason": f"failed while running: {failed[w.label]}"})
     live = [w for w in workers if w.label not in failed]
+    info["load_end"] = os.getloadavg()
     return _aggregate(live, sets, samples, skipped, opts, export, info, bandwidth)
 
 
@@ -307,7 +314,7 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                                                              for k, v in opts.prompt_files.items()},
                  "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature, "greedy": greedy,
                  "ignore_eos": True, "repeats": opts.repeats, "warmup": 1, "statistic": "median of repeats per prompt",
-                 "threads": opts.threads, "reference": ref_label, "methods": export.methods,
+                 "threads": opts.threads, "ort_spinning": opts.ort_spinning, "reference": ref_label, "methods": export.methods,
                  "versions": _versions()},
         "machine": info, "limit": limit, "results": results, "skipped": skipped, "per_prompt": per_prompt,
     }

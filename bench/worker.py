@@ -12,11 +12,27 @@ import sys
 from .protocol import serve
 
 
+def _no_spinning_session_options() -> None:
+    """--ort-spinning off for our runtime, which has no such option yet: every SessionOptions this
+    process creates gets the config entry. Bench-only; the runtime should expose it instead."""
+    import onnxruntime as ort
+
+    class NoSpin(ort.SessionOptions):
+        def __init__(self):
+            super().__init__()
+            self.add_session_config_entry("session.intra_op.allow_spinning", "0")
+
+    ort.SessionOptions = NoSpin
+
+
 class Specdeploy:
     """Our runtime through its public API (Generation.result()), EOS ignored."""
 
     def __init__(self, setup: dict):
         from ..runtime.export_dir import Export
+
+        if setup.get("ort_spinning") == "off":
+            _no_spinning_session_options()
 
         self.export = Export(setup["export"], backend="ort-cpu", threads=setup["threads"])
         self.method = setup["method"]
@@ -105,6 +121,8 @@ class HFGenerate:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if setup.get("ort_spinning") == "off":
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         path = optimum_model_dir(setup["target"], setup["peers_dir"], build=True)
         return ORTModelForCausalLM.from_pretrained(path, session_options=so, provider="CPUExecutionProvider")
 

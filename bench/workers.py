@@ -36,6 +36,8 @@ class Worker:
             self.argv = [sys.executable, "-m", "specdeploy.bench.worker"]
             base = dict(os.environ)
         self.env = {**base, **thread_env(setup["threads"])}
+        if setup.get("ort_spinning") == "off":
+            self.env["OMP_WAIT_POLICY"] = "PASSIVE"  # torch's OpenMP pool: the same policy
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
         self.peak_rss_mb = 0.0
