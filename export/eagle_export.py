@@ -7,6 +7,7 @@ feature layers (`target_feature_layers`).
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from ..runtime.drafters.eagle import graph_plan
 from ..runtime.errors import SpecDeployError
-from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
+from .eagle_heads import DRAFT_VOCAB_FILE, EagleHead, eagle3_feature_layers, load_eagle_head
 from .onnx_writer import SharedWeights, export_module
 from .reference import random_tree_mask, run_torch, save_reference
 
@@ -120,8 +121,27 @@ class EagleExport:
         if "eagle" not in ctx["methods"]:
             raise SpecDeployError("--eagle was given but the config has no methods.eagle")
         head = self.head
+        self._draft_vocab(ctx["methods"]["eagle"]["draft_vocab"], ctx["progress"])
         plan = graph_plan(ctx["methods"]["eagle"], ctx["cfg"]["prefill_chunk"])
         if plan["top_k"] > head.draft_vocab:
             raise SpecDeployError(f"eagle.top_k {plan['top_k']} exceeds the head's vocabulary of {head.draft_vocab}")
         ctx["models"]["eagle"] = head_spec(head, plan["top_k"], self.feature_layers)
         ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"]["max_context"], ctx["progress"]))
+
+    def _draft_vocab(self, size: int, progress) -> None:
+        """eagle.draft_vocab N: draft among the head's N most frequent target tokens, when it says which."""
+        head = self.head
+        if not size or head.version != 1 or size >= head.target_vocab:
+            return
+        path = self.head_dir / DRAFT_VOCAB_FILE
+        if not path.is_file():
+            progress(f"  eagle.draft_vocab {size}: the head has no {DRAFT_VOCAB_FILE}, drafting over the full vocabulary")
+            return
+        try:
+            ids = [int(i) for i in json.loads(path.read_text())["token_ids"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SpecDeployError(f"{path} is not a valid draft vocabulary: {exc!r}") from None
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= head.target_vocab:
+            raise SpecDeployError(f"{path}: token_ids must be distinct ids in [0, {head.target_vocab})")
+        head.restrict_vocab(ids[:size])
+        progress(f"  EAGLE drafts among the {head.draft_vocab} most frequent tokens ({DRAFT_VOCAB_FILE})")

@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import (
 from ..runtime.errors import SpecDeployError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # specdeploy's extra: target token ids by frequency (eagle_train)
 # Keys published checkpoints may carry that the head does not need (or takes from the target).
 OPTIONAL_KEYS = ("embed_tokens.weight",)
 
@@ -51,6 +52,7 @@ class EagleHead(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
         self.embed_tokens = embed  # frozen: the target's (or the checkpoint's own) embeddings
+        self.vocab_subset: torch.Tensor | None = None  # restrict_vocab()
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
         if version == 1:
             self.fc = nn.Linear(2 * h, h, bias=fc_bias)
@@ -84,7 +86,19 @@ class EagleHead(nn.Module):
 
     @property
     def draft_vocab(self) -> int:
-        return self.target_vocab if self.version == 1 else self.lm_head.out_features
+        if self.version == 3:
+            return self.lm_head.out_features
+        return self.target_vocab if self.vocab_subset is None else len(self.vocab_subset)
+
+    def restrict_vocab(self, token_ids) -> None:
+        """Draft only among these target tokens (EAGLE-1/2): the LM head shrinks to their rows.
+
+        EAGLE-3's draft vocabulary, applied at export: each draft level reads the LM head
+        once, and on a CPU that read is most of a level's cost. Verification is unchanged.
+        """
+        if self.version != 1:
+            raise ValueError("only EAGLE-1/2 heads draft over the target's vocabulary")
+        self.vocab_subset = torch.as_tensor(token_ids, dtype=torch.int64)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights a published checkpoint holds (not the target's embeddings / LM head)."""
@@ -138,13 +152,17 @@ class EagleHead(nn.Module):
         return h, [k, v]
 
     def logits(self, hidden):
-        """Logits over the draft vocabulary (the target's for EAGLE-1/2)."""
-        if self.version == 1:
+        """Logits over the draft vocabulary (the target's, or a subset of it, for EAGLE-1/2)."""
+        if self.version == 3:
+            return self.lm_head(self.norm(hidden))
+        if self.vocab_subset is None:
             return self.target_lm_head(hidden)
-        return self.lm_head(self.norm(hidden))
+        return nn.functional.linear(hidden, self.target_lm_head.weight[self.vocab_subset])
 
     def to_target_ids(self, draft_ids):
-        return draft_ids if self.version == 1 else draft_ids + self.d2t[draft_ids]
+        if self.version == 3:
+            return draft_ids + self.d2t[draft_ids]
+        return draft_ids if self.vocab_subset is None else self.vocab_subset[draft_ids]
 
 
 # ---------------------------------------------------------------- target features (EAGLE-3)

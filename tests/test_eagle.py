@@ -37,12 +37,12 @@ ROOT = BUILD / "test_eagle"
 CONFIG = "max_context: 256\nmethods:\n  eagle: {mode: eagle1}\n"
 
 
-def _export(target: Path, head: Path, name: str) -> Path:
+def _export(target: Path, head: Path, name: str, config_text: str = CONFIG) -> Path:
     from specdeploy.export.exporter import export_all
 
-    config = ROOT / "eagle.yaml"
+    config = ROOT / f"{name}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(CONFIG)
+    config.write_text(config_text)
     return export_all(target, ROOT / name, eagle=head, config=config, progress=lambda m: None)
 
 
@@ -142,6 +142,8 @@ def test_trained_head_is_accurate_and_in_published_layout(trained_head):
     assert not any("input_layernorm" in k or "embed" in k or "lm_head" in k for k in keys), keys
     cfg = json.loads((head_dir / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is True
+    vocab = json.loads((head_dir / "draft_vocab.json").read_text())
+    assert vocab["counts"] == sorted(vocab["counts"], reverse=True) and len(set(vocab["token_ids"])) == len(vocab["token_ids"])
 
 
 def test_export_checks_every_head_graph(heads):
@@ -157,6 +159,28 @@ def test_export_checks_every_head_graph(heads):
     assert manifest.methods["eagle"]["tree_paths"]["paths"]  # the runtime needs no tree file
     results = check_path(export_dir)
     assert results and all(r.passed for r in results), [(r.graph, r.detail) for r in results if not r.passed]
+
+
+def test_draft_vocabulary_limits_candidates_not_output(micro_family, trained_head):
+    """eagle.draft_vocab N: drafts come from the head's N most frequent tokens; output is unchanged."""
+    from specdeploy.export.check import check_path
+    from specdeploy.runtime.generate import generate
+
+    head_dir = trained_head[0]
+    allowed = set(json.loads((head_dir / "draft_vocab.json").read_text())["token_ids"][:48])
+    export_dir = _export(micro_family / "target", head_dir, "export_vocab48",
+                         "max_context: 256\nmethods:\n  eagle: {mode: eagle2, draft_vocab: 48}\n")
+    export = _open(export_dir)
+    assert export.manifest.models["eagle"].extra["draft_vocab_size"] == 48
+    assert all(r.passed for r in check_path(export_dir) if r.graph.startswith("eagle"))
+    drafted = set()
+    for _, proposal, _ in _steps(export, PROMPTS[0], {}, 6):
+        drafted |= {int(t) for t in proposal.tokens[1:]}
+    assert drafted and drafted <= allowed, sorted(drafted - allowed)
+    for prompt in PROMPTS[:2]:
+        ids = export.tokenizer.encode(prompt)
+        ours = generate(export, ids, method="eagle", max_new_tokens=NEW, ignore_eos=True)
+        assert ours.token_ids == hf_greedy(micro_family / "target", ids, NEW)
 
 
 # ---------------------------------------------------------------- greedy equality
@@ -362,6 +386,7 @@ def test_head_that_does_not_fit_the_target(micro_family, tmp_path):
     ({"tree": "no_such_tree"}, "eagle.tree 'no_such_tree' is neither a tree file nor a known name"),
     ({"tree": [[0], [0, 0, 0]]}, "not prefix-closed"),
     ({"topk": 4}, "unknown eagle settings ['topk']"),
+    ({"draft_vocab": -5}, "eagle.draft_vocab"),
 ])
 def test_bad_config(params, needle):
     from specdeploy.runtime.drafters.eagle import validate

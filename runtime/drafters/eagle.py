@@ -32,7 +32,7 @@ from .base import DecodeState, Drafter, Proposal
 from .eagle_head import EagleHeadRunner
 
 MODES = ("eagle2", "eagle1")
-KEYS = {"mode", "top_k", "depth", "total_tokens", "tree", "tree_paths"}
+KEYS = {"mode", "top_k", "depth", "total_tokens", "tree", "tree_paths", "draft_vocab"}
 
 
 # ---------------------------------------------------------------- config
@@ -54,7 +54,10 @@ def validate(params: dict) -> dict:
                               f"and depth {depth} produce")
     if top_k > 64:
         raise SpecDeployError(f"config: eagle.top_k must be <= 64, got {top_k}")
-    out = {"mode": mode, "top_k": top_k, "depth": depth, "total_tokens": total}
+    draft_vocab = params.get("draft_vocab", 0)
+    if draft_vocab != 0:
+        positive_int(draft_vocab, "eagle.draft_vocab (0: the full vocabulary)")
+    out = {"mode": mode, "top_k": top_k, "depth": depth, "total_tokens": total, "draft_vocab": draft_vocab}
     spec = params.get("tree")
     if spec is None and mode == "eagle1":
         raise SpecDeployError("config: eagle.mode eagle1 needs eagle.tree (a name in configs/trees/, a .json file "
