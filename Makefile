@@ -29,9 +29,11 @@ family: setup
 # Medusa heads and the EAGLE head for the default target (each cached by its training spec).
 heads: family
 	$(VPY) -m specdeploy.export.medusa_train --family $(FAMILY) --preset default
+	$(VPY) -m specdeploy.export.eagle_train --family $(FAMILY) --preset default
 
-$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json configs/default.yaml
-	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --medusa $(FAMILY)/medusa --out $(EXPORT_DIR)
+$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml
+	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --medusa $(FAMILY)/medusa \
+	  --eagle $(FAMILY)/eagle --out $(EXPORT_DIR)
 
 export: heads
 	@$(MAKE) --no-print-directory $(EXPORT_DIR)/manifest.json
