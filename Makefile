@@ -34,7 +34,7 @@ heads: family
 	$(VPY) -m specdeploy.export.medusa_train --family $(FAMILY) --preset default
 	$(VPY) -m specdeploy.export.eagle_train --family $(FAMILY) --preset default
 
-$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml
+$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml $(wildcard export/*.py)
 	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --medusa $(FAMILY)/medusa \
 	  --eagle $(FAMILY)/eagle --out $(EXPORT_DIR)
 

@@ -44,8 +44,11 @@ def cmd_generate(args) -> int:
     from .runtime.generate import Generation
     from .runtime.sampling import SamplingParams
 
+    from .runtime.backends import use_shared_threads
+
+    use_shared_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    export = Export(args.out, backend=args.backend)
+    export = Export(args.out, backend=args.backend, graphs=args.graphs)
     ids = _ids(args.prompt_ids) if args.prompt_ids is not None else export.tokenizer.encode(args.prompt)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
                      stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param))
@@ -96,6 +99,9 @@ def cmd_tune_tree(args) -> int:
     from .runtime.export_dir import Export
     from .runtime.tree_tuning import read_prompts_file, tune, write_tree
 
+    from .runtime.backends import use_shared_threads
+
+    use_shared_threads(args.threads)
     export = Export(args.export, backend=args.backend, threads=args.threads)
     if args.prompts is not None:
         texts = read_prompts_file(args.prompts)
@@ -131,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     e.add_argument("--config", type=Path, help="YAML overriding configs/default.yaml")
     e.add_argument("--no-check", action="store_true", help="skip the polygraphy check after export")
+    e.add_argument("--no-fused", action="store_true",
+                   help="skip the ORT-CPU fused decoder graphs (only the portable ones, as TensorRT uses)")
     e.set_defaults(func=cmd_export)
 
     g = sub.add_parser("generate", help="generate text from an export")
@@ -149,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--param", action="append", metavar="KEY=VALUE",
                    help="override a method parameter of the export's config, e.g. --param max_ngram=2 (repeatable)")
     g.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
+    g.add_argument("--threads", type=int, help="ONNX Runtime threads (default: the physical cores)")
+    g.add_argument("--graphs", default="auto", choices=["auto", "fused", "portable"],
+                   help="decoder graphs on ort-cpu: fused (default where exported) or portable")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g.set_defaults(func=cmd_generate)
 
@@ -175,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; beyond: 429")
     s.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait; then 429")
     s.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
-    s.add_argument("--threads", type=int, help="ORT threads per session (default: CPU cores / pool size)")
+    s.add_argument("--threads", type=int, help="ONNX Runtime threads, one pool shared by all workers "
+                   "(default: the physical cores)")
     s.add_argument("--model-name", help="model id clients use (default: the export directory's name)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")

@@ -196,7 +196,11 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
                   if r["system"] == "ortgenai" and r.get("info")), None)
     attn = next((r["info"].get("attn_implementation") for r in result["results"]
                  if r["system"] == "hf" and r.get("info")), None)
+    ours = next((r["info"] for r in result["results"] if r["system"] == "specdeploy" and r.get("info")), {})
     lines += ["## Peers", "",
+              f"- specdeploy: {ours.get('graphs', '?')} decoder graphs, ONNX Runtime thread pool "
+              f"{ours.get('thread_pool', '?')} (one process-wide pool for all of a process's sessions, or one "
+              "sleeping pool per session)",
               f"- onnxruntime-genai {genai or '(not run)'}, in `build/peers/ortgenai-venv` with its own transformers; "
               f"HF attention implementation: {attn or '-'}",
               "- HF transformers: `generate` on the PyTorch model; `assistant_model=` the same "

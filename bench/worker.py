@@ -12,32 +12,23 @@ import sys
 from .protocol import serve
 
 
-def _no_spinning_session_options() -> None:
-    """--ort-spinning off for our runtime, which has no such option yet: every SessionOptions this
-    process creates gets the config entry. Bench-only; the runtime should expose it instead."""
-    import onnxruntime as ort
-
-    class NoSpin(ort.SessionOptions):
-        def __init__(self):
-            super().__init__()
-            self.add_session_config_entry("session.intra_op.allow_spinning", "0")
-
-    ort.SessionOptions = NoSpin
-
-
 class Specdeploy:
     """Our runtime through its public API (Generation.result()), EOS ignored."""
 
     def __init__(self, setup: dict):
+        from ..runtime.backends import thread_pool_mode, use_per_session_threads, use_shared_threads
         from ..runtime.export_dir import Export
 
-        if setup.get("ort_spinning") == "off":
-            _no_spinning_session_options()
-
+        if setup.get("ort_spinning") == "off":  # every session gets its own pool, which sleeps when idle
+            use_per_session_threads()
+        else:  # as our CLI and server run: one spinning pool for all sessions
+            use_shared_threads(setup["threads"])
         self.export = Export(setup["export"], backend="ort-cpu", threads=setup["threads"])
         self.method = setup["method"]
         self.export.method_params(self.method)  # not exported -> a clear error now, not mid-run
-        self.info = {"method_params": self.export.methods[self.method]}
+        target = self.export.decoder("target")
+        self.info = {"method_params": self.export.methods[self.method], "thread_pool": thread_pool_mode(),
+                     "graphs": "fused" if target.fused else "portable"}
 
     def run(self, req: dict):
         from ..runtime.generate import generate

@@ -139,7 +139,7 @@ def build_engines(export_dir: str | Path, rebuild: bool = False, workspace_gb: f
     builder = trt.Builder(logger)
     timing = TimingCache(Path(timing_cache) if timing_cache else root / TIMING_CACHE)
     results = []
-    for name, graph in manifest.graphs.items():
+    for name, graph in manifest.trt_graphs().items():
         record = data["engines"].get(name)
         why = ["--rebuild"] if rebuild else (["no engine built"] if record is None
                                              else stale_reasons(root, record, digest, **identity))

@@ -147,7 +147,7 @@ def engine_status(manifest: Manifest, **here) -> dict[str, list[str]]:
     records = load_engines(manifest.root)["engines"]
     digest = file_digests(manifest.root)
     status = {}
-    for name in manifest.graphs:
+    for name in manifest.trt_graphs():
         rec = records.get(name)
         status[name] = ["no engine built"] if rec is None else stale_reasons(manifest.root, rec, digest, **here)
     return status

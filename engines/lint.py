@@ -286,7 +286,7 @@ def graph_files(path: str | Path) -> list[Path]:
     from ..runtime.manifest import load_manifest
 
     manifest = load_manifest(path, verify_checksums=False)
-    return [manifest.graph_path(g) for g in manifest.graphs.values()]
+    return [manifest.graph_path(g) for g in manifest.trt_graphs().values()]
 
 
 def cli_report(path: str | Path) -> int:

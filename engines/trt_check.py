@@ -124,7 +124,7 @@ def check_path(path: str | Path) -> list[TrtGraphCheck]:
     manifest, only = _manifest_for(Path(path))
     if manifest is None:
         raise SpecDeployError(f"no export manifest beside {path}: the TensorRT profile comes from it")
-    return [check_graph(manifest, g) for g in manifest.graphs.values() if only is None or g.name in only]
+    return [check_graph(manifest, g) for g in manifest.trt_graphs().values() if only is None or g.name in only]
 
 
 def cli_report(path: str | Path) -> int:

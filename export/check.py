@@ -6,12 +6,11 @@ polygraphy's Comparator runs each graph on ONNX Runtime and compares per output.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
-from .reference import CHECK_DIR
+from .reference import CHECK_DIR, quiet_polygraphy
 
 # Per exported dtype: (atol, rtol). fp16 graphs compute attention in fp32 but
 # carry fp16 activations, so logits differ by ~1e-2.
@@ -25,19 +24,23 @@ class GraphCheck:
     detail: str
 
 
-def _quiet_polygraphy():
-    from polygraphy.logger import G_LOGGER
+def _compare_func(atol: float, rtol: float):
+    try:  # polygraphy >= 0.50; CompareFunc.simple is deprecated there
+        from polygraphy.comparator import SimpleCompareFunc
 
-    G_LOGGER.module_severity = G_LOGGER.ERROR
-    logging.getLogger("polygraphy").setLevel(logging.ERROR)
+        return SimpleCompareFunc(atol=atol, rtol=rtol)
+    except ImportError:
+        from polygraphy.comparator import CompareFunc
+
+        return CompareFunc.simple(atol=atol, rtol=rtol)
 
 
 def check_graph(onnx_path: Path, dtype: str = "float32") -> GraphCheck:
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator import Comparator, RunResults
     from polygraphy.json import load_json
 
-    _quiet_polygraphy()
+    quiet_polygraphy()
     name = onnx_path.stem
     check = onnx_path.parent / CHECK_DIR
     inputs_path, outputs_path = check / f"{name}.inputs.json", check / f"{name}.outputs.json"
@@ -50,7 +53,7 @@ def check_graph(onnx_path: Path, dtype: str = "float32") -> GraphCheck:
         runner = OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=["CPUExecutionProvider"]), name="onnxrt")
         ours = Comparator.run([runner], data_loader=feeds)
         ours.extend(reference)
-        verdict = Comparator.compare_accuracy(ours, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+        verdict = Comparator.compare_accuracy(ours, compare_func=_compare_func(atol, rtol))
     except Exception as exc:  # corrupt graph or reference files
         return GraphCheck(name, False, f"could not run: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}")
     passed = bool(verdict)

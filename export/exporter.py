@@ -15,6 +15,7 @@ from ..runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
 from ..runtime.methods import VERIFY_TOKENS, validate_methods
 from .decoder_graph import DecoderGraph, graph_io_names
 from .eagle_export import EagleExport
+from .fused_graph import FUSED_DTYPES, build_fused_decoder, fused_feeds, fused_reference
 from .medusa_export import MedusaExport
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .onnx_writer import SharedWeights, export_module
@@ -61,16 +62,23 @@ class DecoderExporter:
     """Exports one model's decoder at several static token counts, weights shared."""
 
     def __init__(self, name: str, model, out: Path, dtype: str, max_context: int, progress,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), fused: bool = True):
         self.name, self.out, self.progress = name, out, progress
+        self.model, self.feature_layers = model, tuple(feature_layers)
         self.spec = model_spec(model)
         self.wrapper = DecoderGraph(model, feature_layers).eval()
         self.dtype = DTYPES[dtype]
         self.max_context = max_context
         self.weights = SharedWeights(out, f"weights/{name}.bin")
         self.inputs, self.outputs = graph_io_names(self.spec["num_layers"], bool(feature_layers))
+        self.fused = fused and dtype in FUSED_DTYPES
+        if fused and not self.fused:
+            progress(f"  {name}: no fused graphs for {dtype} (they are {', '.join(FUSED_DTYPES)} only); "
+                     "ONNX Runtime will run the portable graphs")
+        self.fused_weights = SharedWeights(out, f"weights/{name}.fused.bin") if self.fused else None
 
-    def export(self, tokens: int) -> tuple[str, dict]:
+    def export(self, tokens: int) -> list[tuple[str, dict]]:
+        """The portable graph for `tokens` (and its fused twin), each with its PyTorch reference."""
         graph = f"{self.name}_t{tokens}"
         start = time.perf_counter()
         sample_past = 3  # a non-trivial past so the tracer keeps its length dynamic
@@ -80,9 +88,27 @@ class DecoderExporter:
         export_module(self.wrapper, args, self.out / f"{graph}.onnx", self.inputs, self.outputs, dynamic, self.weights)
         ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), self.spec, self.spec["vocab_size"],
                                   self.dtype, seed=1000 + tokens)
-        save_reference(self.out, graph, ref_feeds, run_torch(self.wrapper, ref_feeds, self.inputs, self.outputs))
+        ref_outputs = run_torch(self.wrapper, ref_feeds, self.inputs, self.outputs)
+        save_reference(self.out, graph, ref_feeds, ref_outputs)
         self.progress(f"  exported {graph}.onnx (T={tokens}) in {time.perf_counter() - start:.1f}s")
-        return graph, {"file": f"{graph}.onnx", "model": self.name, "kind": "decoder", "tokens": tokens}
+        made = [(graph, {"file": f"{graph}.onnx", "model": self.name, "kind": "decoder", "tokens": tokens})]
+        if self.fused:
+            made.append(self._export_fused(tokens, ref_feeds, ref_outputs))
+        return made
+
+    def _export_fused(self, tokens: int, ref_feeds: dict, ref_outputs: dict) -> tuple[str, dict]:
+        graph = f"{self.name}_fused_t{tokens}"
+        model = build_fused_decoder(self.model, tokens, self.max_context, self.feature_layers)
+        path = self.out / f"{graph}.onnx"
+        self.fused_weights.externalize(model, path)
+        import onnx
+
+        onnx.save(model, str(path))
+        feeds = fused_feeds(ref_feeds, tokens)
+        save_reference(self.out, graph, feeds, fused_reference(feeds, ref_outputs, tokens))
+        self.progress(f"  wrote {graph}.onnx (ORT fused ops, KV in place)")
+        return graph, {"file": f"{graph}.onnx", "model": self.name, "kind": "decoder", "tokens": tokens,
+                       "flavor": "fused"}
 
 
 def target_token_counts(cfg: dict, methods: dict) -> list[int]:
@@ -100,9 +126,10 @@ def target_token_counts(cfg: dict, methods: dict) -> list[int]:
 
 def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
                config: Path | None = None, progress=print, extra_models=None, eagle: Path | None = None,
-               medusa: Path | None = None, medusa_tree: str | None = None) -> Path:
+               medusa: Path | None = None, medusa_tree: str | None = None, fused: bool = True) -> Path:
     """The whole export; `extra_models(ctx)` hooks add head graphs (Medusa, EAGLE); `eagle` is an EAGLE head dir;
-    `medusa` a Medusa heads dir (published layout) and `medusa_tree` overrides methods.medusa.tree."""
+    `medusa` a Medusa heads dir (published layout) and `medusa_tree` overrides methods.medusa.tree;
+    `fused` adds each decoder's ORT-CPU graphs (export/fused_graph.py) beside the portable ones."""
     start = time.perf_counter()
     cfg = load_export_config(config)
     methods = dict(cfg["methods"])
@@ -141,21 +168,20 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     target_model = load_causal_lm(Path(target), dtype)
     eagle_export = EagleExport(eagle) if eagle is not None else None
     feature_layers = eagle_export.prepare(target_model, progress) if eagle_export else ()  # head checked early
-    exporter = DecoderExporter("target", target_model, out, dtype, cfg["max_context"], progress, feature_layers)
+    exporter = DecoderExporter("target", target_model, out, dtype, cfg["max_context"], progress, feature_layers,
+                               fused)
     models["target"] = {**exporter.spec, "source": str(Path(target).resolve())}
     if feature_layers:
         models["target"]["feature_layers"] = list(feature_layers)
     for t in token_counts:
-        name, entry = exporter.export(t)
-        graphs[name] = entry
+        graphs.update(exporter.export(t))
     if draft is not None:
         progress(f"loading draft from {draft} ({dtype})")
         draft_model = load_causal_lm(Path(draft), dtype)
-        dexp = DecoderExporter("draft", draft_model, out, dtype, cfg["max_context"], progress)
+        dexp = DecoderExporter("draft", draft_model, out, dtype, cfg["max_context"], progress, fused=fused)
         models["draft"] = {**dexp.spec, "source": str(Path(draft).resolve())}
         for t in sorted({1, cfg["prefill_chunk"]}):
-            name, entry = dexp.export(t)
-            graphs[name] = entry
+            graphs.update(dexp.export(t))
     ctx = {"out": out, "target_model": target_model, "graphs": graphs, "models": models,
            "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress}
     if extra_models is not None:

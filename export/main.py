@@ -13,7 +13,7 @@ def run_export(args) -> None:
 
     out = export_all(args.target, args.out, draft=args.draft, dtype=args.dtype, config=args.config, progress=progress,
                      eagle=getattr(args, "eagle", None), medusa=getattr(args, "medusa", None),
-                     medusa_tree=getattr(args, "tree", None))
+                     medusa_tree=getattr(args, "tree", None), fused=not getattr(args, "no_fused", False))
     if not args.no_check:
         from .check import check_path
 

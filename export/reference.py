@@ -39,10 +39,20 @@ def run_torch(module: torch.nn.Module, feeds: dict[str, np.ndarray], input_names
     return {n: o.float().numpy() if o.dtype == torch.bfloat16 else o.numpy() for n, o in zip(output_names, outs)}
 
 
+def quiet_polygraphy() -> None:
+    import logging
+
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    logging.getLogger("polygraphy").setLevel(logging.ERROR)
+
+
 def save_reference(out_dir: Path, graph_name: str, feeds: dict, outputs: dict) -> None:
     from polygraphy.comparator import IterationResult, RunResults
     from polygraphy.json import save_json
 
+    quiet_polygraphy()
     check = out_dir / CHECK_DIR
     check.mkdir(parents=True, exist_ok=True)
     save_json([feeds], str(check / f"{graph_name}.inputs.json"))

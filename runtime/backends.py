@@ -61,30 +61,119 @@ def _why_unavailable(name: str) -> str:
     return f"onnxruntime has no {provider} ({hint})"
 
 
+def use_shared_threads(threads: int | None = None) -> bool:
+    """Run every ONNX Runtime session of this process on one shared (global) thread pool.
+
+    Each static-T graph is its own session. With a pool per session (the default
+    for a library), the pools must sleep when idle, or spinning pools fight each
+    other (and the draft's) for the cores; sleeping pays a wake-up per call. One
+    shared spinning pool has neither cost: ~1.3x faster decode on 2 cores.
+    ORT fixes its pools when it creates its environment, at the first session, and
+    afterwards requires *every* session of the process to use the shared pool, so
+    this is opt-in: specdeploy's own processes (CLI, server, bench) call it first
+    thing; a host embedding the runtime may call it at start-up if all its sessions
+    can share. `threads` (default: ORT's, the physical cores) sizes the pool.
+    Returns whether the shared pool is in use (False once sessions were opened
+    per-session).
+    """
+    global _THREADING
+    if _THREADING is None:
+        import onnxruntime.capi._pybind_state as ort_state
+
+        ort_state.set_global_thread_pool_sizes(threads or 0, 1)
+        _THREADING = "shared"
+    return _THREADING == "shared"
+
+
+def use_per_session_threads() -> None:
+    """Keep the default: each session its own pool, sleeping when idle."""
+    global _THREADING
+    if _THREADING is None:
+        _THREADING = "per-session"
+
+
+def thread_pool_mode() -> str:
+    """"shared" (one process-wide pool) or "per-session"."""
+    return _THREADING or "per-session"
+
+
+def session_options(threads: int | None):
+    """ORT options every session of ours uses (see use_shared_threads for the thread pools)."""
+    import onnxruntime as ort
+
+    use_per_session_threads()  # no-op when the shared pool was chosen first
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if _THREADING == "shared":
+        opts.use_per_session_threads = False
+        return opts
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return opts
+
+
+_THREADING: str | None = None  # fixed by the first session this process opens
+
+
+def open_session(path: Path, backend: str, threads: int | None):
+    import onnxruntime as ort
+
+    try:
+        # Under "trt", graphs that have no engine (drafter heads) run on ORT's CUDA provider.
+        providers = ORT_PROVIDERS["ort-cuda"] if backend == "trt" else ORT_PROVIDERS[backend]
+        return ort.InferenceSession(str(path), session_options(threads), providers=providers)
+    except Exception as exc:  # corrupt or truncated graph / external data
+        raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
+
+
 class OrtGraph:
     """One ONNX graph in one ORT session; inputs wrap numpy memory without copying."""
 
     def __init__(self, path: Path, backend: str = "ort-cpu", threads: int | None = None):
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3
-        # Each static-T graph has its own session and thread pool; spinning pools
-        # fight each other (and the draft's) for the cores between calls, which
-        # measured ~2x slower decode on 2 cores. Idle threads should sleep.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        try:
-            # Under "trt", graphs that have no engine (drafter heads) run on ORT's CUDA provider.
-            providers = ORT_PROVIDERS["ort-cuda"] if backend == "trt" else ORT_PROVIDERS[backend]
-            self.session = ort.InferenceSession(str(path), opts, providers=providers)
-        except Exception as exc:  # corrupt or truncated graph / external data
-            raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
+        self.session = open_session(path, backend, threads)
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.input_names = {i.name for i in self.session.get_inputs()}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+
+
+class InPlaceGraph:
+    """A fused decoder graph bound once to host arrays: its KV buffers (past and
+    present are the same memory, so the graph writes new rows in place), its small
+    inputs and its outputs. A call only fills the input arrays and runs.
+    """
+
+    def __init__(self, path: Path, threads: int | None, kv_buffers: dict[str, np.ndarray]):
+        import onnxruntime as ort
+
+        self.session = open_session(path, "ort-cpu", threads)
+        self.binding = self.session.io_binding()
+        self.inputs: dict[str, np.ndarray] = {}
+        self.outputs: dict[str, np.ndarray] = {}
+        self._keep = []  # OrtValues must outlive the binding
+        types = {"tensor(int64)": np.int64, "tensor(bool)": np.bool_, "tensor(float)": np.float32}
+
+        def bind(name: str, array: np.ndarray, output: bool) -> None:
+            value = ort.OrtValue.ortvalue_from_numpy(array)  # shares the array's memory
+            self._keep.append(value)
+            (self.binding.bind_ortvalue_output if output else self.binding.bind_ortvalue_input)(name, value)
+
+        for name, buf in kv_buffers.items():
+            bind(name, buf, False)
+            bind(name.replace("past_", "present_"), buf, True)
+        for i in self.session.get_inputs():
+            if i.name not in kv_buffers:
+                self.inputs[i.name] = np.zeros(i.shape, types[i.type])
+                bind(i.name, self.inputs[i.name], False)
+        for o in self.session.get_outputs():
+            if not o.name.startswith("present_"):
+                self.outputs[o.name] = np.zeros(o.shape, types[o.type])
+                bind(o.name, self.outputs[o.name], True)
+
+    def run(self) -> dict[str, np.ndarray]:
+        self.session.run_with_iobinding(self.binding)
+        return self.outputs

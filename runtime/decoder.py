@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backends import OrtGraph
+from .backends import InPlaceGraph, OrtGraph
 from .errors import SpecDeployError
 from .kv_cache import KVCache
 from .manifest import Manifest
@@ -18,20 +18,29 @@ from .manifest import Manifest
 class StepOutput:
     logits: np.ndarray  # [n, vocab] float32, real (unpadded) tokens only
     hidden: np.ndarray  # [n, hidden] float32
-    presents: list[np.ndarray]  # per layer key, value: [1, T, kv_heads, head_dim]
+    presents: list[np.ndarray]  # per layer key, value: [1, T, kv_heads, head_dim]; empty for fused graphs
     features: np.ndarray | None = None
 
 
 class Decoder:
-    def __init__(self, manifest: Manifest, model: str, backend: str = "ort-cpu", threads: int | None = None):
+    """`fused` runs the export's fused graphs (ORT CPU only), which update the KV cache in place."""
+
+    def __init__(self, manifest: Manifest, model: str, backend: str = "ort-cpu", threads: int | None = None,
+                 fused: bool = False):
         self.spec = manifest.models[model]
         self.max_context = manifest.max_context
-        graphs = manifest.decoder_graphs(model)
+        self.fused = fused
+        graphs = manifest.decoder_graphs(model, "fused" if fused else "portable")
         if not graphs:
-            raise SpecDeployError(f"export has no decoder graphs for model '{model}'")
-        self.graphs = {t: OrtGraph(manifest.graph_path(g), backend, threads) for t, g in sorted(graphs.items())}
+            raise SpecDeployError(f"export has no {'fused ' if fused else ''}decoder graphs for model '{model}'")
+        self.cache = KVCache(self.spec, manifest.max_context, manifest.dtype, in_place=fused)
+        if fused:
+            buffers = {f"past_{kind}.{layer}": bufs[layer] for kind, bufs in (("key", self.cache.keys),
+                       ("value", self.cache.values)) for layer in range(self.spec.num_layers)}
+            self.graphs = {t: InPlaceGraph(manifest.graph_path(g), threads, buffers) for t, g in sorted(graphs.items())}
+        else:
+            self.graphs = {t: OrtGraph(manifest.graph_path(g), backend, threads) for t, g in sorted(graphs.items())}
         self.sizes = sorted(self.graphs)
-        self.cache = KVCache(self.spec, manifest.max_context, manifest.dtype)
         self.calls = 0
         self.seconds = 0.0
 
@@ -53,24 +62,35 @@ class Decoder:
             raise SpecDeployError(
                 f"context full: {self.cache.length} cached + {t} new tokens exceed max_context {self.max_context}"
             )
-        ids = np.zeros((1, t), np.int64)
-        ids[0, :n] = tokens
-        pos = np.empty((1, t), np.int64)
-        pos[0, :n] = positions
-        pos[0, n:] = positions[-1] if n else self.cache.length
-        full = np.eye(t, dtype=bool)
+        graph = self.graphs[t]
+        feeds = graph.inputs if self.fused else {
+            "input_ids": np.zeros((1, t), np.int64), "position_ids": np.empty((1, t), np.int64),
+            "tree_mask": np.empty((1, t, t), bool)}
+        feeds["input_ids"][0, :n] = tokens
+        feeds["input_ids"][0, n:] = 0
+        pos = feeds["position_ids"][0]
+        pos[:n] = positions
+        pos[n:] = positions[-1] if n else self.cache.length
+        full = feeds["tree_mask"][0]
+        full[:] = np.eye(t, dtype=bool)  # padding rows see only themselves
         full[:n, :n] = mask
-        feeds = {"input_ids": ids, "position_ids": pos, "tree_mask": full[None]}
-        for layer in range(self.spec.num_layers):
-            feeds[f"past_key.{layer}"], feeds[f"past_value.{layer}"] = self.cache.past(layer)
+        if self.fused:
+            feeds["past_length"][0] = self.cache.length
+        else:
+            for layer in range(self.spec.num_layers):
+                feeds[f"past_key.{layer}"], feeds[f"past_value.{layer}"] = self.cache.past(layer)
         start = time.perf_counter()
-        out = self.graphs[t].run(feeds)
+        out = graph.run() if self.fused else graph.run(feeds)
         self.seconds += time.perf_counter() - start
         self.calls += 1
-        presents = [out[f"present_{kind}.{layer}"] for layer in range(self.spec.num_layers) for kind in ("key", "value")]
-        feats = out.get("features")
-        return StepOutput(out["logits"][0, :n], out["hidden"][0, :n], presents,
-                          None if feats is None else feats[0, :n])
+        if self.fused:  # the outputs are the graph's bound arrays, reused next call: copy the real rows
+            presents = []
+            out = {k: v[0, :n].copy() for k, v in out.items()}
+        else:
+            presents = [out[f"present_{kind}.{layer}"] for layer in range(self.spec.num_layers)
+                        for kind in ("key", "value")]
+            out = {k: v[0, :n] for k, v in out.items() if not k.startswith("present_")}
+        return StepOutput(out["logits"], out["hidden"], presents, out.get("features"))
 
     def commit(self, step: StepOutput, rows) -> None:
         self.cache.commit(step.presents, rows)

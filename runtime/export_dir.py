@@ -16,9 +16,18 @@ from .methods import check_method, validate_methods
 from .tokenizer import TextTokenizer
 
 
+GRAPH_CHOICES = ("auto", "fused", "portable")
+
+
 class Export:
+    """`graphs` picks the decoder graphs ONNX Runtime's CPU backend runs: "auto" takes the
+    fused ones where the export has them, "portable" the standard-op ones (what TensorRT uses)."""
+
     def __init__(self, path: str | Path, backend: str | None = None, threads: int | None = None,
-                 verify_checksums: bool = True):
+                 verify_checksums: bool = True, graphs: str = "auto"):
+        if graphs not in GRAPH_CHOICES:
+            raise SpecDeployError(f"unknown graphs choice {graphs!r} (choose from {', '.join(GRAPH_CHOICES)})")
+        self.graphs = graphs
         self.manifest = load_manifest(path, verify_checksums=verify_checksums)
         # Digests load_manifest checked against the files: engine staleness checks reuse them.
         self._verified_digests = self.manifest.files if verify_checksums else None
@@ -65,7 +74,12 @@ class Export:
 
             if iobinding_unavailable_reason(self.backend) is None:
                 return OrtBoundDecoder(self.manifest, model, self.backend, self.threads)
-        return Decoder(self.manifest, model, self.backend, self.threads)
+        has_fused = bool(self.manifest.decoder_graphs(model, "fused"))
+        if self.graphs == "fused" and (self.backend != "ort-cpu" or not has_fused):
+            raise SpecDeployError(f"fused graphs need --backend ort-cpu and an export that has them "
+                                  f"(backend {self.backend}; {model} has {'some' if has_fused else 'none'})")
+        fused = self.backend == "ort-cpu" and has_fused and self.graphs != "portable"
+        return Decoder(self.manifest, model, self.backend, self.threads, fused=fused)
 
     def method_params(self, method: str, overrides: dict | None = None) -> dict:
         check_method(method)

@@ -1,9 +1,14 @@
 """The one KV-cache manager: a static buffer per model, indexed by absolute position.
 
-Feeding the past is a contiguous view of each layer's buffer (no copy); a step
-writes back only the accepted rows of the new tokens' KV (one gather per layer),
-so per-step copy traffic is O(new tokens), never O(context). Rolling back is
-just moving `length`: stale rows past it are overwritten by the next commit.
+Two layouts, one contract (rows past `length` are scratch, commits append):
+- row-major [max_context, kv_heads, D] for portable graphs: feeding the past is a
+  contiguous prefix view (no copy) and a step writes back only the accepted rows
+  of the new tokens' KV (one gather per layer);
+- head-major [1, kv_heads, max_context, D] for fused graphs, which the graph
+  reads and writes in place: a step's rows land at length.., and committing the
+  accepted ones moves only those not already in place (none for a chain).
+Either way per-step copy traffic is O(new tokens), never O(context). Rolling back
+is just moving `length`: stale rows past it are overwritten by the next step.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, max_context: int, dtype: str = "float32"):
-        shape = (max_context, spec.num_kv_heads, spec.head_dim)
+    def __init__(self, spec: ModelSpec, max_context: int, dtype: str = "float32", in_place: bool = False):
+        self.in_place = in_place
+        if in_place:
+            shape = (1, spec.num_kv_heads, max_context, spec.head_dim)
+        else:
+            shape = (max_context, spec.num_kv_heads, spec.head_dim)
         np_dtype = NP_DTYPES[dtype]
         self.keys = [np.zeros(shape, np_dtype) for _ in range(spec.num_layers)]
         self.values = [np.zeros(shape, np_dtype) for _ in range(spec.num_layers)]
@@ -32,8 +41,36 @@ class KVCache:
         """[1, length, kv_heads, head_dim] views into the buffers (no copy)."""
         return self.keys[layer][None, : self.length], self.values[layer][None, : self.length]
 
+    def _row_bytes(self) -> int:
+        """K and V bytes of one token across all layers."""
+        per_layer = self.keys[0].nbytes // self.max_context
+        return 2 * per_layer * len(self.keys)
+
+    def commit_in_place(self, rows: Sequence[int] | slice) -> None:
+        """Keep the given rows of the step the graph just wrote at length..; drop the rest."""
+        start = self.length
+        if isinstance(rows, slice):
+            rows = np.arange(rows.start or 0, rows.stop, rows.step or 1)
+        rows = np.asarray(rows, dtype=np.int64)
+        n = len(rows)
+        if start + n > self.max_context:
+            raise SpecDeployError(f"context full: {start + n} tokens exceed max_context {self.max_context}")
+        moved = np.nonzero(rows != np.arange(n))[0]
+        if len(moved):  # a tree path: rows from the first divergence on move down
+            first = moved[0]
+            src = start + rows[first:]
+            dst = slice(start + first, start + n)
+            for buf in (*self.keys, *self.values):
+                heads = buf[0]  # [kv_heads, S, D]: index rows on axis 1 (buf[0, :, src] would move the axis)
+                heads[:, dst] = heads[:, src]
+            self.bytes_copied += (n - first) * self._row_bytes()
+        self.length = start + n
+
     def commit(self, presents: Sequence[np.ndarray], rows: Sequence[int] | slice) -> None:
         """Append the given rows of a step's new KV (presents alternate key, value per layer)."""
+        if self.in_place:
+            self.commit_in_place(rows)
+            return
         if isinstance(rows, slice):
             n = len(range(*rows.indices(presents[0].shape[1])))
         else:

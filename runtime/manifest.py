@@ -43,6 +43,10 @@ class GraphSpec:
     tokens: int
     extra: dict = field(default_factory=dict)
 
+    @property
+    def flavor(self) -> str:
+        return self.extra.get("flavor", "portable")
+
 
 @dataclass
 class Manifest:
@@ -56,9 +60,15 @@ class Manifest:
     files: dict[str, str]
     raw: dict
 
-    def decoder_graphs(self, model: str) -> dict[int, GraphSpec]:
-        """Decoder graphs of one model keyed by their static token count."""
-        return {g.tokens: g for g in self.graphs.values() if g.model == model and g.kind == "decoder"}
+    def decoder_graphs(self, model: str, flavor: str = "portable") -> dict[int, GraphSpec]:
+        """Decoder graphs of one model and flavor ("portable": standard ONNX ops, what TensorRT
+        builds from; "fused": ORT CPU contrib ops, KV in place) keyed by their static token count."""
+        return {g.tokens: g for g in self.graphs.values()
+                if g.model == model and g.kind == "decoder" and g.flavor == flavor}
+
+    def trt_graphs(self) -> dict[str, GraphSpec]:
+        """The graphs TensorRT builds engines from: all but the fused (ORT-only) ones."""
+        return {name: g for name, g in self.graphs.items() if g.flavor != "fused"}
 
     def graph_path(self, graph: GraphSpec) -> Path:
         return self.root / graph.file

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import ORT_PROVIDERS
+from .backends import ORT_PROVIDERS, session_options
 from .device_decoder import DeviceDecoder
 from .device_memory import CudaMemory, HostMemory, cuda_unavailable_reason
 from .errors import SpecDeployError
@@ -60,11 +60,7 @@ class OrtBoundDecoder(DeviceDecoder):
             memory = HostMemory() if backend == "ort-cpu" else CudaMemory()
         super().__init__(manifest, model, memory)
         self.backend = backend
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
+        opts = session_options(threads)
         self.sessions, self.bindings, self.graph_outputs = {}, {}, {}
         self.outputs: dict[str, tuple[int, tuple, np.dtype]] = {}  # name -> (device ptr, row shape, dtype)
         for t, g in sorted(self.graph_specs.items()):

@@ -61,7 +61,7 @@ def engines_listed(manifest: Manifest) -> bool:
         records = load_engines(manifest.root)["engines"]
     except SpecDeployError:
         return False
-    return all(name in records for name, g in manifest.graphs.items() if g.kind == "decoder")
+    return all(name in records for name, g in manifest.trt_graphs().items() if g.kind == "decoder")
 
 
 def gpu_identity(device: int = 0) -> dict:

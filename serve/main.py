@@ -19,6 +19,9 @@ def run_server(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise SpecDeployError(f"--port must be in [0, 65535], got {args.port}")
+    from ..runtime.backends import use_shared_threads
+
+    use_shared_threads(args.threads)  # our own process: one pool for every worker's sessions
     service = Service.load(args.out, pool_size=args.pool_size, queue_size=args.queue,
                            queue_timeout=args.queue_timeout, backend=args.backend, threads=args.threads,
                            method=args.method)

@@ -65,4 +65,11 @@ def test_manifest_records_shapes_vocab_and_checksums(micro_export):
     assert manifest["tokenizer"]["eos_token_ids"]
     assert all(len(d) == 64 for d in manifest["files"].values())
     weights = [f for f in manifest["files"] if f.startswith("weights/")]
-    assert sorted(weights) == ["weights/draft.bin", "weights/target.bin"]
+    # one weights file per model and graph flavor, however many static-T graphs share it
+    assert sorted(weights) == ["weights/draft.bin", "weights/draft.fused.bin", "weights/target.bin",
+                               "weights/target.fused.bin"]
+    flavors = {(g["model"], g.get("flavor", "portable")): set() for g in manifest["graphs"].values()}
+    for g in manifest["graphs"].values():
+        flavors[g["model"], g.get("flavor", "portable")].add(g["tokens"])
+    assert flavors["target", "fused"] == flavors["target", "portable"]
+    assert flavors["draft", "fused"] == flavors["draft", "portable"]

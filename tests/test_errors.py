@@ -45,12 +45,13 @@ def test_corrupt_graph_file_with_updated_checksum(broken_copy):
     """Even when the manifest was 'fixed' to match, a corrupt graph gives a clear load error."""
     from specdeploy.runtime.manifest import sha256_file
 
-    graph = broken_copy / "target_t1.onnx"
-    graph.write_bytes(b"\x08\x07garbage")
-    manifest = json.loads((broken_copy / "manifest.json").read_text())
-    manifest["files"]["target_t1.onnx"] = sha256_file(graph)
-    (broken_copy / "manifest.json").write_text(json.dumps(manifest))
-    assert_clean_error(gen(broken_copy), "could not load graph", "target_t1.onnx")
+    for name in ("target_t1.onnx", "target_fused_t1.onnx"):  # whichever flavor the runtime opens
+        graph = broken_copy / name
+        graph.write_bytes(b"\x08\x07garbage")
+        manifest = json.loads((broken_copy / "manifest.json").read_text())
+        manifest["files"][name] = sha256_file(graph)
+        (broken_copy / "manifest.json").write_text(json.dumps(manifest))
+    assert_clean_error(gen(broken_copy), "could not load graph", "target_fused_t1.onnx")
 
 
 def test_corrupt_manifest(broken_copy):

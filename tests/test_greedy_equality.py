@@ -1,4 +1,5 @@
-"""ar, draft and prompt-lookup greedy output is token-identical to Hugging Face greedy."""
+"""ar, draft and prompt-lookup greedy output is token-identical to Hugging Face greedy,
+on the fused ORT-CPU graphs (the default) and on the portable ones."""
 
 from __future__ import annotations
 
@@ -30,9 +31,20 @@ def micro(micro_export):
     return Export(micro_export)
 
 
+@pytest.fixture(scope="module")
+def micro_portable(micro_export):
+    from specdeploy.runtime.export_dir import Export
+
+    return Export(micro_export, graphs="portable")
+
+
+@pytest.mark.parametrize("graphs", ["fused", "portable"])
 @pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup"])
-def test_micro_family_matches_hf_greedy(micro, micro_family, method):
+def test_micro_family_matches_hf_greedy(micro, micro_portable, micro_family, method, graphs):
     from specdeploy.runtime.generate import generate
+
+    micro = micro if graphs == "fused" else micro_portable
+    assert micro.decoder("target").fused == (graphs == "fused")
 
     mismatches = []
     for prompt in PROMPTS:
@@ -46,13 +58,14 @@ def test_micro_family_matches_hf_greedy(micro, micro_family, method):
     assert not mismatches, f"{method} differs from HF greedy on {mismatches}"
 
 
+@pytest.mark.parametrize("graphs", ["fused", "portable"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("method", ["ar", "draft"])
-def test_other_architectures_match_hf_greedy(arch_exports, random_models, arch, method):
+def test_other_architectures_match_hf_greedy(arch_exports, random_models, arch, method, graphs):
     from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import generate
 
-    export = Export(arch_exports[arch])
+    export = Export(arch_exports[arch], graphs=graphs)
     for prompt in PROMPTS[:4]:
         ids = export.tokenizer.encode(prompt)
         ours = generate(export, ids, method=method, max_new_tokens=24, ignore_eos=True)

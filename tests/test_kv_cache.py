@@ -6,11 +6,22 @@ import subprocess
 import sys
 
 
-def test_bytes_per_step_do_not_grow_with_context(micro_export):
+import pytest
+
+
+def _one_token_bytes(export) -> int:
+    spec = export.manifest.models["target"]
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+
+
+@pytest.mark.parametrize("graphs", ["portable", "fused"])
+def test_bytes_per_step_do_not_grow_with_context(micro_export, graphs):
+    """Portable graphs copy each accepted token's KV row once; fused graphs write
+    the rows in place, so a chain (ar) copies nothing at all."""
     from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import generate
 
-    export = Export(micro_export)
+    export = Export(micro_export, graphs=graphs)
     short = export.tokenizer.encode("x = 1\n")
     long = export.tokenizer.encode("import os\n" * 60)
     assert len(long) > 8 * len(short)
@@ -18,23 +29,66 @@ def test_bytes_per_step_do_not_grow_with_context(micro_export):
     for name, ids in (("short", short), ("long", long)):
         r = generate(export, ids, method="ar", max_new_tokens=20, ignore_eos=True)
         per_step[name] = r.stats["kv_bytes_per_step"]
-    spec = export.manifest.models["target"]
-    one_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
-    assert per_step["short"] == per_step["long"] == one_token
+    expected = _one_token_bytes(export) if graphs == "portable" else 0
+    assert per_step["short"] == per_step["long"] == expected
+
+
+def test_in_place_commit_moves_only_the_rows_off_the_path():
+    """A tree step's accepted path [0, 2, 5] keeps row 0 where it is and moves two rows down."""
+    import numpy as np
+
+    from specdeploy.runtime.kv_cache import KVCache
+    from specdeploy.runtime.manifest import ModelSpec
+
+    spec = ModelSpec("m", num_layers=2, num_kv_heads=2, head_dim=4, hidden_size=8, vocab_size=10)
+    cache = KVCache(spec, max_context=32, in_place=True)
+    cache.length = 10
+    for buf in (*cache.keys, *cache.values):  # row r of the step holds the value r
+        buf[0, :, 10:16] = np.arange(6, dtype=np.float32)[None, :, None]
+    before = [b.copy() for b in cache.keys]
+    cache.commit_in_place([0, 2, 5])
+    assert cache.length == 13
+    for buf, old in zip(cache.keys, before):
+        assert (buf[0, :, 10:13, 0] == np.array([0, 2, 5])).all()
+        assert (buf[0, :, :10] == old[0, :, :10]).all()  # the past is untouched
+    row = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    assert cache.bytes_copied == 2 * row
+    cache.commit_in_place(slice(0, 4))  # a chain: nothing moves
+    assert cache.length == 17 and cache.bytes_copied == 2 * row
 
 
 def test_feeding_the_past_does_not_copy_the_cache(micro_export):
-    """The past fed to ORT is a view of the cache buffer, not a copy."""
+    """Portable graphs get a view of the cache buffer, not a copy."""
     import numpy as np
 
     from specdeploy.runtime.export_dir import Export
 
-    export = Export(micro_export)
+    export = Export(micro_export, graphs="portable")
     cache = export.decoder("target").cache
     cache.length = 17
     k, v = cache.past(0)
     assert np.shares_memory(k, cache.keys[0]) and np.shares_memory(v, cache.values[0])
     assert k.flags.c_contiguous and k.shape[1] == 17
+
+
+def test_fused_graphs_write_the_cache_buffer_in_place(micro_export):
+    """Fused graphs are bound to the cache's own buffers: a step's KV appears there, past untouched."""
+    import numpy as np
+
+    from specdeploy.runtime.export_dir import Export
+
+    export = Export(micro_export)
+    dec = export.decoder("target")
+    assert dec.fused
+    dec.prefill(export.tokenizer.encode("def f(x):\n    return x"), export.prefill_chunk)
+    n = dec.cache.length
+    past = [k[0, :, :n].copy() for k in dec.cache.keys]
+    assert all(np.abs(k[0, :, :n]).sum() > 0 for k in dec.cache.keys)
+    assert all((k[0, :, n:n + 3] == 0).all() for k in dec.cache.keys)
+    step = dec.forward(np.array([5, 6, 7]), n + np.arange(3), np.tril(np.ones((3, 3), bool)))
+    assert step.presents == []
+    assert all(np.abs(k[0, :, n:n + 3]).sum() > 0 for k in dec.cache.keys)
+    assert all((k[0, :, :n] == p).all() for k, p in zip(dec.cache.keys, past))
 
 
 def test_runtime_imports_neither_torch_nor_transformers(micro_export):

@@ -397,7 +397,7 @@ def test_disconnect_of_a_non_streaming_request_frees_the_worker(tight_server):
     cancelled0 = metric_value(tight_server.metrics(), "specdeploy_generations_total", finish_reason="cancelled")
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the answer
-        httpx.post(f"{tight_server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+        httpx.post(f"{tight_server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.05))
     _wait_idle(tight_server)
     assert metric_value(tight_server.metrics(), "specdeploy_generations_total",
                         finish_reason="cancelled") == cancelled0 + 1

@@ -1,0 +1,85 @@
+"""The fused ORT-CPU decoder graphs: accurate against PyTorch for every family, fused for real,
+kept out of TensorRT's way, and chosen (or refused) by the runtime as asked."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral"])
+def test_fused_graphs_match_pytorch_per_architecture(arch_exports, arch):
+    """polygraphy on every fused graph: logits, hidden and the KV buffers written in place
+    (Qwen3's per-head q/k norms, Qwen2's qkv biases, Mistral's config)."""
+    from specdeploy.export.check import check_path
+
+    results = {r.graph: r for r in check_path(arch_exports[arch])}
+    fused = [name for name in results if "_fused_" in name]
+    assert fused and {n.split("_")[0] for n in fused} == {"target", "draft"}
+    bad = [f"{r.graph}: {r.detail}" for r in results.values() if not r.passed]
+    assert not bad, bad
+
+
+def test_fused_check_fails_on_a_wrong_graph(micro_export, tmp_path):
+    """The fused reference is strict: a graph built for another token count does not pass as this one."""
+    import shutil
+
+    from specdeploy.export.check import check_graph
+
+    for name in ("target_fused_t5", "target_fused_t1"):
+        shutil.copy(micro_export / f"{name}.onnx", tmp_path / f"{name}.onnx")
+    shutil.copytree(micro_export / "weights", tmp_path / "weights")
+    (tmp_path / "check").mkdir()
+    for suffix in ("inputs", "outputs"):
+        shutil.copy(micro_export / "check" / f"target_fused_t5.{suffix}.json", tmp_path / "check")
+    assert check_graph(tmp_path / "target_fused_t5.onnx").passed
+    m = onnx.load(str(tmp_path / "target_fused_t5.onnx"), load_external_data=False)
+    for node in m.graph.node:  # one attention layer sees the whole tree instead of the ancestors
+        if node.op_type == "GroupQueryAttention":
+            node.input[10] = ""
+            break
+    onnx.save(m, str(tmp_path / "target_fused_t5.onnx"))
+    assert not check_graph(tmp_path / "target_fused_t5.onnx").passed
+
+
+def test_fused_graph_is_a_few_nodes_per_layer(micro_export):
+    manifest = json.loads((micro_export / "manifest.json").read_text())
+    layers = manifest["models"]["target"]["num_layers"]
+    portable = onnx.load(str(micro_export / "target_t1.onnx"), load_external_data=False)
+    fused = onnx.load(str(micro_export / "target_fused_t1.onnx"), load_external_data=False)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("GroupQueryAttention") == layers
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
+    assert "Concat" not in ops  # no KV concatenation: the cache is written in place
+    assert len(ops) <= 12 * layers + 12 < len(portable.graph.node)
+
+
+def test_tensorrt_side_sees_only_portable_graphs(micro_export):
+    """Engines, the TensorRT lint and profiles work from the portable graphs; fused ones are ORT-only."""
+    from specdeploy.engines.lint import graph_files
+    from specdeploy.runtime.manifest import load_manifest
+
+    manifest = load_manifest(micro_export)
+    assert set(manifest.trt_graphs()) == {n for n, g in manifest.graphs.items() if g.flavor == "portable"}
+    assert all("_fused_" not in p.name for p in graph_files(micro_export))
+
+
+def test_graphs_choice_is_validated(micro_export, tmp_path):
+    import shutil
+
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.export_dir import Export
+
+    with pytest.raises(SpecDeployError, match="unknown graphs choice"):
+        Export(micro_export, graphs="fast")
+    # An export without fused graphs (--no-fused, or float16): "fused" is refused, "auto" falls back.
+    bare = tmp_path / "bare"
+    shutil.copytree(micro_export, bare)
+    manifest = json.loads((bare / "manifest.json").read_text())
+    manifest["graphs"] = {k: v for k, v in manifest["graphs"].items() if v.get("flavor") != "fused"}
+    (bare / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpecDeployError, match="fused graphs need"):
+        Export(bare, graphs="fused").decoder("target")
+    assert not Export(bare).decoder("target").fused
