@@ -57,7 +57,7 @@ class KVCache:
             raise SpecDeployError(f"context full: {start + n} tokens exceed max_context {self.max_context}")
         moved = np.nonzero(rows != np.arange(n))[0]
         if len(moved):  # a tree path: rows from the first divergence on move down
-            first = moved[0]
+            first = int(moved[0])
             src = start + rows[first:]
             dst = slice(start + first, start + n)
             for buf in (*self.keys, *self.values):

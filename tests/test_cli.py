@@ -7,8 +7,14 @@ import json
 from conftest import run_cli
 
 
-def test_generate_json_last_line(micro_export):
-    proc = run_cli("generate", micro_export, "--method", "draft", "--prompt", "def f(x):", "--max-new-tokens", "12",
+import pytest
+
+
+@pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup", "lookahead"])
+def test_generate_json_last_line(micro_export, method):
+    """Every method's stats serialize (tree methods move KV rows: their byte counts included)."""
+    prompt = "def f(x):\n    return x\n\n\ndef f(x):\n    return"
+    proc = run_cli("generate", micro_export, "--method", method, "--prompt", prompt, "--max-new-tokens", "12",
                    "--ignore-eos", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

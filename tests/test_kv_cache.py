@@ -53,6 +53,7 @@ def test_in_place_commit_moves_only_the_rows_off_the_path():
         assert (buf[0, :, :10] == old[0, :, :10]).all()  # the past is untouched
     row = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     assert cache.bytes_copied == 2 * row
+    assert type(cache.bytes_copied) is int  # it ends up in JSON stats
     cache.commit_in_place(slice(0, 4))  # a chain: nothing moves
     assert cache.length == 17 and cache.bytes_copied == 2 * row
 
