@@ -18,6 +18,8 @@ from torch import nn
 from ..runtime.drafters.eagle import graph_plan
 from ..runtime.errors import SpecDeployError
 from .eagle_heads import DRAFT_VOCAB_FILE, EagleHead, eagle3_feature_layers, load_eagle_head
+from .eagle_fused import build_fused_eagle_head
+from .fused_graph import fused_feeds, fused_reference
 from .onnx_writer import SharedWeights, export_module
 from .reference import random_tree_mask, run_torch, save_reference
 
@@ -79,10 +81,12 @@ def sample_feeds(t: int, width: int, past: int, draft_rows: int, head: EagleHead
     return feeds
 
 
-def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int, progress) -> dict:
-    """One graph per (feature width, T); returns the manifest's graph entries."""
+def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int, progress,
+                       fused: bool = False) -> dict:
+    """One graph per (feature width, T), and its fused twin when `fused`; returns the manifest's graph entries."""
     wrapper = EagleDraftGraph(head, plan["top_k"]).eval()
     weights = SharedWeights(out, "weights/eagle.bin")
+    fused_weights = SharedWeights(out, "weights/eagle.fused.bin") if fused else None
     inputs, outputs = io_names(head.num_layers)
     dynamic = {n: {1: "past_len"} for n in inputs if n.startswith("past_")}
     dynamic["tree_mask"] = {2: "mask_len"}
@@ -95,9 +99,20 @@ def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int,
         args = [torch.from_numpy(feeds[n]) for n in inputs]
         export_module(wrapper, args, out / f"{name}.onnx", inputs, outputs, dynamic, weights)
         ref = sample_feeds(t, width, min(29, max_context - t - 3), 3, head, seed=2000 + t)
-        save_reference(out, name, ref, run_torch(wrapper, ref, inputs, outputs))
+        ref_out = run_torch(wrapper, ref, inputs, outputs)
+        save_reference(out, name, ref, ref_out)
         graphs[name] = {"file": f"{name}.onnx", "model": "eagle", "kind": "eagle_draft", "tokens": t, "features": width}
         progress(f"  exported {name}.onnx (T={t}, features {width}) in {time.perf_counter() - start:.1f}s")
+        if fused:
+            fname = name.replace("eagle_", "eagle_fused_", 1)
+            model = build_fused_eagle_head(head, t, width, plan["top_k"], max_context)
+            fused_weights.externalize(model, out / f"{fname}.onnx")
+            import onnx
+
+            onnx.save(model, str(out / f"{fname}.onnx"))
+            feeds = fused_feeds(ref, t)
+            save_reference(out, fname, feeds, fused_reference(feeds, ref_out, t))
+            graphs[fname] = {**graphs[name], "file": f"{fname}.onnx", "flavor": "fused"}
     return graphs
 
 
@@ -126,7 +141,9 @@ class EagleExport:
         if plan["top_k"] > head.draft_vocab:
             raise SpecDeployError(f"eagle.top_k {plan['top_k']} exceeds the head's vocabulary of {head.draft_vocab}")
         ctx["models"]["eagle"] = head_spec(head, plan["top_k"], self.feature_layers)
-        ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"]["max_context"], ctx["progress"]))
+        fused = ctx.get("fused", False) and head.fc.weight.dtype == torch.float32
+        ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"]["max_context"], ctx["progress"],
+                                                fused))
 
     def _draft_vocab(self, size: int, progress) -> None:
         """eagle.draft_vocab N: draft among the head's N most frequent target tokens, when it says which."""

@@ -183,7 +183,8 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         for t in sorted({1, cfg["prefill_chunk"]}):
             graphs.update(dexp.export(t))
     ctx = {"out": out, "target_model": target_model, "graphs": graphs, "models": models,
-           "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress}
+           "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress,
+           "fused": fused and dtype in FUSED_DTYPES}
     if extra_models is not None:
         extra_models(ctx)
     if eagle_export is not None:

@@ -37,10 +37,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().numpy()
 
 
-class _Builder:
-    def __init__(self):
+class GraphBuilder:
+    """Nodes and initializers of one fused graph, with the blocks every Llama-family graph shares."""
+
+    def __init__(self, wide_mask: bool = False):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
+        self.presents: list[tuple[str, str]] = []  # (graph output name, tensor)
+        self.wide_mask = wide_mask  # tree_mask has columns beyond the T new tokens (EAGLE head)
         self._n = 0
 
     def init(self, name: str, array: np.ndarray) -> str:
@@ -64,133 +68,171 @@ class _Builder:
         return y
 
 
-def _check_supported(cfg) -> None:
+    def matmul(self, x: str, weight: np.ndarray, name: str) -> str:
+        """x @ weight, weight given as [in, out]."""
+        (y,) = self.op("MatMul", [x, self.init(name, weight)])
+        return y
+
+    def rename(self, src: str, dst: str) -> None:
+        self.nodes.append(helper.make_node("Identity", [src], [dst], name=f"out_{dst}"))
+
+    def rope_tables(self, rotary_emb, hidden_size: int, head_dim: int, max_positions: int) -> tuple[str, str]:
+        """cos/sin caches [positions, D/2] from the model's own rotary module (any rope_scaling)."""
+        with torch.no_grad():
+            cos, sin = rotary_emb(torch.zeros(1, 1, hidden_size), torch.arange(max_positions)[None])
+        half = head_dim // 2
+        return self.init("rope.cos", _np(cos[0, :, :half])), self.init("rope.sin", _np(sin[0, :, :half]))
+
+    def attention_lengths(self, t: int) -> tuple[str, str, str]:
+        """GroupQueryAttention's lengths (seqlens_k = total - 1, total as a scalar) and the additive
+        bias: every key before the tree_mask's columns is visible, the mask decides among its
+        last S columns (S = T for decoders; earlier draft rows + T for the EAGLE head)."""
+        (past32,) = self.op("Cast", ["past_length"], to=TensorProto.INT32)
+        (seqlens_k,) = self.op("Add", [past32, self.init("t_minus_1", np.array([t - 1], np.int32))])
+        (total1,) = self.op("Add", [past32, self.init("t_count", np.array([t], np.int32))])
+        (total,) = self.op("Squeeze", [total1])
+        if t == 1 and not self.wide_mask:  # one new token: plain causal attention
+            return seqlens_k, total, ""
+        minf = np.finfo(np.float32).min
+        (masked,) = self.op("Where", ["tree_mask", self.init("zero_f", np.array(0, np.float32)),
+                                      self.init("minf", np.array(minf, np.float32))])
+        (masked,) = self.op("Unsqueeze", [masked, self.init("axis1", np.array([1], np.int64))])
+        (mask_shape,) = self.op("Shape", ["tree_mask"])
+        (mask_cols,) = self.op("Slice", [mask_shape, self.init("i2", np.array([2], np.int64)),
+                                         self.init("i3", np.array([3], np.int64))])
+        (free,) = self.op("Cast", [total1], to=TensorProto.INT64)
+        (free,) = self.op("Sub", [free, mask_cols])
+        (shape,) = self.op("Concat", [self.init("bias_lead", np.array([1, 1, t], np.int64)), free], axis=0)
+        (zeros,) = self.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        (bias,) = self.op("Concat", [zeros, masked], axis=3)
+        return seqlens_k, total, bias
+
+    def attention(self, x: str, attn, layer: int, shape: "AttentionShape", lengths, rope) -> str:
+        """q/k/v in one MatMul, GroupQueryAttention with the KV buffers of `layer`, o_proj."""
+        p, t = f"layers.{layer}", shape.t
+        heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        qkv = self.linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv")
+        gqa_in = [qkv, "", ""]
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before RoPE
+            q, k, v = self.op("Split", [qkv, self.init(f"{p}.qkv_split",
+                              np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
+                              n_out=3, axis=2)
+            normed = []
+            for tag, x_, n_, mod in (("q", q, heads, attn.q_norm), ("k", k, kv_heads, attn.k_norm)):
+                (r,) = self.op("Reshape", [x_, self.init(f"{p}.{tag}_heads", np.array([1, t, n_, head_dim], np.int64))])
+                (r,) = self.op("SimplifiedLayerNormalization", [r, self.init(f"{p}.{tag}_norm", _np(mod.weight))],
+                               epsilon=float(mod.variance_epsilon), axis=-1)
+                (r,) = self.op("Reshape", [r, self.init(f"{p}.{tag}_flat", np.array([1, t, n_ * head_dim], np.int64))])
+                normed.append(r)
+            gqa_in = [normed[0], normed[1], v]
+        seqlens_k, total, bias = lengths
+        scale = float(getattr(attn, "scaling", head_dim ** -0.5))
+        (ctx, pk, pv) = self.op(
+            "GroupQueryAttention",
+            gqa_in + [f"past_key.{layer}", f"past_value.{layer}", seqlens_k, total, *rope, "position_ids", bias],
+            n_out=3, domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=scale,
+            do_rotary=1, rotary_interleaved=0,
+        )
+        self.presents += [(f"present_key.{layer}", pk), (f"present_value.{layer}", pv)]
+        return self.linear(ctx, [attn.o_proj], f"{p}.o")
+
+    def mlp(self, x: str, mlp, name: str) -> str:
+        gate = self.linear(x, [mlp.gate_proj], f"{name}.gate")
+        up = self.linear(x, [mlp.up_proj], f"{name}.up")
+        (sig,) = self.op("Sigmoid", [gate])
+        (act,) = self.op("Mul", [gate, sig])
+        (act,) = self.op("Mul", [act, up])
+        return self.linear(act, [mlp.down_proj], f"{name}.down")
+
+    def rms_norm(self, x: str, weight: torch.Tensor, eps: float, name: str) -> str:
+        (y,) = self.op("SimplifiedLayerNormalization", [x, self.init(name, _np(weight))], epsilon=eps, axis=-1)
+        return y
+
+    def model(self, name: str, inputs: list, outputs: list, kv_heads: int, head_dim: int,
+              num_layers: int) -> onnx.ModelProto:
+        """The graph with the KV buffers as inputs and (aliased) outputs."""
+        kv_shape = [1, kv_heads, "cache_len", head_dim]
+        inputs = list(inputs) + [helper.make_tensor_value_info(f"past_{kind}.{i}", TensorProto.FLOAT, kv_shape)
+                                 for i in range(num_layers) for kind in ("key", "value")]
+        outputs = list(outputs)
+        for out_name, src in self.presents:
+            self.rename(src, out_name)
+            outputs.append(helper.make_tensor_value_info(out_name, TensorProto.FLOAT, kv_shape))
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.inits)
+        model = helper.make_model(graph, opset_imports=OPSET, producer_name="specdeploy")
+        model.ir_version = 8
+        return model
+
+
+class AttentionShape:
+    def __init__(self, t: int, heads: int, kv_heads: int, head_dim: int):
+        self.t, self.heads, self.kv_heads, self.head_dim = t, heads, kv_heads, head_dim
+
+
+def check_silu(cfg) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise SpecDeployError(f"fused graphs support the silu MLP only (this model has hidden_act={act!r})")
+
+
+def attention_shape(cfg, t: int) -> AttentionShape:
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return AttentionShape(t, heads, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
 
 
 def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
                         feature_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
     """The fused graph of an HF Llama-family causal LM for a static token count `tokens`."""
     cfg = causal_lm.config
-    _check_supported(cfg)
+    check_silu(cfg)
     body = causal_lm.model
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    shape = attention_shape(cfg, tokens)
     eps = float(cfg.rms_norm_eps)
     t = tokens
-    b = _Builder()
-
-    # RoPE tables from the model's own rotary module, so every rope_scaling variant is honoured.
-    with torch.no_grad():
-        probe = torch.zeros(1, 1, cfg.hidden_size)
-        cos, sin = body.rotary_emb(probe, torch.arange(max_positions)[None])
-    half = head_dim // 2
-    cos_cache = b.init("rope.cos", _np(cos[0, :, :half]))
-    sin_cache = b.init("rope.sin", _np(sin[0, :, :half]))
-
-    # Lengths GroupQueryAttention wants: seqlens_k = total - 1 per batch row, total as a scalar.
-    (past32,) = b.op("Cast", ["past_length"], to=TensorProto.INT32)
-    (seqlens_k,) = b.op("Add", [past32, b.init("t_minus_1", np.array([t - 1], np.int32))])
-    (total1,) = b.op("Add", [past32, b.init("t_count", np.array([t], np.int32))])
-    (total,) = b.op("Squeeze", [total1])
-    attn_bias = ""
-    if t > 1:  # the tree among the new tokens as an additive bias; the whole past is visible
-        minf = np.finfo(np.float32).min
-        (new_bias,) = b.op("Where", ["tree_mask", b.init("zero_f", np.array(0, np.float32)),
-                                     b.init("minf", np.array(minf, np.float32))])
-        (new_bias,) = b.op("Unsqueeze", [new_bias, b.init("axis1", np.array([1], np.int64))])
-        (shape,) = b.op("Concat", [b.init("bias_lead", np.array([1, 1, t], np.int64)), "past_length"], axis=0)
-        (past_bias,) = b.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.zeros(1, np.float32)))
-        (attn_bias,) = b.op("Concat", [past_bias, new_bias], axis=3)
+    b = GraphBuilder()
+    rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
+    lengths = b.attention_lengths(t)
 
     (h,) = b.op("Gather", [b.init("embed.weight", _np(body.embed_tokens.weight)), "input_ids"])
     pending = None  # the last sub-block's output, not yet added to the residual stream h
-    features, presents = [], []
+    features = []
 
     def norm(weight: torch.Tensor, name: str) -> str:
         """RMSNorm of h + pending; updates h to the sum (one fused node when there is a pending add)."""
         nonlocal h, pending
-        gamma = b.init(name, _np(weight))
         if pending is None:
-            (y,) = b.op("SimplifiedLayerNormalization", [h, gamma], epsilon=eps, axis=-1)
-            return y
-        y, _, _, h = b.op("SkipSimplifiedLayerNormalization", [pending, h, gamma], n_out=4,
+            return b.rms_norm(h, weight, eps, name)
+        y, _, _, h = b.op("SkipSimplifiedLayerNormalization", [pending, h, b.init(name, _np(weight))], n_out=4,
                           domain="com.microsoft", epsilon=eps)
         pending = None
         return y
 
     for i, layer in enumerate(body.layers):
-        attn, p = layer.self_attn, f"layers.{i}"
-        x = norm(layer.input_layernorm.weight, f"{p}.input_norm")
+        x = norm(layer.input_layernorm.weight, f"layers.{i}.input_norm")
         if i - 1 in feature_layers:
             features.append(h)
-        qkv = b.linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv")
-        gqa_in = [qkv, "", ""]
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before RoPE
-            q, k, v = b.op("Split", [qkv, b.init(f"{p}.qkv_split",
-                           np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
-                           n_out=3, axis=2)
-            normed = []
-            for tag, x_, n_, mod in (("q", q, heads, attn.q_norm), ("k", k, kv_heads, attn.k_norm)):
-                (r,) = b.op("Reshape", [x_, b.init(f"{p}.{tag}_heads", np.array([1, t, n_, head_dim], np.int64))])
-                (r,) = b.op("SimplifiedLayerNormalization", [r, b.init(f"{p}.{tag}_norm", _np(mod.weight))],
-                            epsilon=float(mod.variance_epsilon), axis=-1)
-                (r,) = b.op("Reshape", [r, b.init(f"{p}.{tag}_flat", np.array([1, t, n_ * head_dim], np.int64))])
-                normed.append(r)
-            gqa_in = [normed[0], normed[1], v]
-        past_k, past_v = f"past_key.{i}", f"past_value.{i}"
-        scale = float(getattr(attn, "scaling", head_dim ** -0.5))
-        (ctx, pk, pv) = b.op(
-            "GroupQueryAttention",
-            gqa_in + [past_k, past_v, seqlens_k, total, cos_cache, sin_cache, "position_ids", attn_bias],
-            n_out=3, domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=scale,
-            do_rotary=1, rotary_interleaved=0,
-        )
-        presents += [(f"present_key.{i}", pk), (f"present_value.{i}", pv)]
-        pending = b.linear(ctx, [attn.o_proj], f"{p}.o")
-        x = norm(layer.post_attention_layernorm.weight, f"{p}.post_norm")
-        mlp = layer.mlp
-        gate = b.linear(x, [mlp.gate_proj], f"{p}.gate")
-        up = b.linear(x, [mlp.up_proj], f"{p}.up")
-        (sig,) = b.op("Sigmoid", [gate])
-        (act,) = b.op("Mul", [gate, sig])
-        (act,) = b.op("Mul", [act, up])
-        pending = b.linear(act, [mlp.down_proj], f"{p}.down")
+        pending = b.attention(x, layer.self_attn, i, shape, lengths, rope)
+        x = norm(layer.post_attention_layernorm.weight, f"layers.{i}.post_norm")
+        pending = b.mlp(x, layer.mlp, f"layers.{i}")
     hidden = norm(body.norm.weight, "final_norm")
     if len(body.layers) - 1 in feature_layers:
         features.append(h)
     logits = b.linear(hidden, [causal_lm.lm_head], "lm_head")
-
-    def rename(src: str, dst: str) -> None:
-        b.nodes.append(helper.make_node("Identity", [src], [dst], name=f"out_{dst}"))
-
-    rename(logits, "logits")
-    rename(hidden, "hidden")
+    b.rename(logits, "logits")
+    b.rename(hidden, "hidden")
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, t, cfg.vocab_size]),
                helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, t, cfg.hidden_size])]
     if feature_layers:
         (feat,) = b.op("Concat", features, axis=2)
-        rename(feat, "features")
+        b.rename(feat, "features")
         outputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT,
                                                      [1, t, cfg.hidden_size * len(feature_layers)]))
-    kv_shape = [1, kv_heads, "cache_len", head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, t]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, t]),
               helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, [1, t, t]),
               helper.make_tensor_value_info("past_length", TensorProto.INT64, [1])]
-    for i in range(len(body.layers)):
-        inputs += [helper.make_tensor_value_info(f"past_{kind}.{i}", TensorProto.FLOAT, kv_shape)
-                   for kind in ("key", "value")]
-    for name, src in presents:
-        rename(src, name)
-        outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape))
-    graph = helper.make_graph(b.nodes, f"fused_decoder_t{t}", inputs, outputs, b.inits)
-    model = helper.make_model(graph, opset_imports=OPSET, producer_name="specdeploy")
-    model.ir_version = 8
-    return model
+    return b.model(f"fused_decoder_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim, len(body.layers))
 
 
 def fused_feeds(portable_feeds: dict[str, np.ndarray], tokens: int, slack: int = 3) -> dict[str, np.ndarray]:
@@ -199,7 +241,7 @@ def fused_feeds(portable_feeds: dict[str, np.ndarray], tokens: int, slack: int =
     The past moves into buffers of past + tokens + slack rows (head-major), so the
     check also sees that rows beyond the new tokens are left alone.
     """
-    out = {k: portable_feeds[k] for k in ("input_ids", "position_ids", "tree_mask")}
+    out = {k: v for k, v in portable_feeds.items() if not k.startswith("past_")}
     past = None
     for name, value in portable_feeds.items():
         if name.startswith("past_"):

@@ -144,7 +144,8 @@ class OrtGraph:
 class InPlaceGraph:
     """A fused decoder graph bound once to host arrays: its KV buffers (past and
     present are the same memory, so the graph writes new rows in place), its small
-    inputs and its outputs. A call only fills the input arrays and runs.
+    inputs and its outputs. A call only fills the input arrays and runs; inputs
+    with a dynamic dimension (the EAGLE head's mask width) are bound per call.
     """
 
     def __init__(self, path: Path, threads: int | None, kv_buffers: dict[str, np.ndarray]):
@@ -165,15 +166,26 @@ class InPlaceGraph:
         for name, buf in kv_buffers.items():
             bind(name, buf, False)
             bind(name.replace("past_", "present_"), buf, True)
+        self.dynamic: set[str] = set()
         for i in self.session.get_inputs():
-            if i.name not in kv_buffers:
+            if i.name in kv_buffers:
+                continue
+            if all(isinstance(d, int) for d in i.shape):
                 self.inputs[i.name] = np.zeros(i.shape, types[i.type])
                 bind(i.name, self.inputs[i.name], False)
+            else:
+                self.dynamic.add(i.name)
         for o in self.session.get_outputs():
             if not o.name.startswith("present_"):
                 self.outputs[o.name] = np.zeros(o.shape, types[o.type])
                 bind(o.name, self.outputs[o.name], True)
 
-    def run(self) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Run on the bound arrays, after copying `feeds` into them (dynamic-shape ones are bound)."""
+        for name, value in (feeds or {}).items():
+            if name in self.dynamic:
+                self.binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            else:
+                self.inputs[name][...] = value
         self.session.run_with_iobinding(self.binding)
         return self.outputs

@@ -63,7 +63,8 @@ def build_drafter(method: str, export, params: dict):
         _require_graph(export, method, eagle.shown(params))
         from .drafters.eagle_head import EagleHeadRunner
 
-        head = export.part("eagle", lambda: EagleHeadRunner(export.manifest, export.backend, export.threads))
+        head = export.part("eagle", lambda: EagleHeadRunner(export.manifest, export.backend, export.threads,
+                                                            fused=export.graphs != "portable"))
         return eagle.EagleDrafter(head, params)
     if method == "medusa":
         need, largest = medusa.verify_tokens(params), export.decoder("target").sizes[-1]

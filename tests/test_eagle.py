@@ -204,6 +204,23 @@ def test_greedy_matches_hf(heads, name, mode):
         assert len(PROMPTS) * NEW / calls >= 2.0, f"acceptance length {len(PROMPTS) * NEW / calls:.2f}"
 
 
+@pytest.mark.parametrize("name", ["trained", "eagle3_bin"])
+def test_portable_head_graphs_draft_the_same(heads, name):
+    """The fused head graphs (the CPU default) and the portable ones draft identically."""
+    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.generate import generate
+
+    _, _, export_dir = heads[name]
+    runs = {}
+    for graphs in ("fused", "portable"):
+        export = Export(export_dir, backend="ort-cpu", graphs=graphs)
+        ids = export.tokenizer.encode(PROMPTS[0])
+        res = generate(export, ids, method="eagle", max_new_tokens=NEW, ignore_eos=True)
+        assert export.part("eagle", None).fused == (graphs == "fused")
+        runs[graphs] = (res.token_ids, res.stats["target_calls"])
+    assert runs["fused"] == runs["portable"]
+
+
 # ---------------------------------------------------------------- drafts vs a from-scratch PyTorch head
 
 

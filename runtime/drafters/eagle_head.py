@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends import ORT_PROVIDERS, OrtGraph, available_backends
+from ..backends import ORT_PROVIDERS, InPlaceGraph, OrtGraph, available_backends
 from ..errors import SpecDeployError
 from ..kv_cache import KVCache
 from ..manifest import Manifest
@@ -33,7 +33,10 @@ class HeadOutput:
 
 
 class EagleHeadRunner:
-    def __init__(self, manifest: Manifest, backend: str = "ort-cpu", threads: int | None = None):
+    """`fused`: run the head's fused graphs (ORT CPU), which write its KV cache in place."""
+
+    def __init__(self, manifest: Manifest, backend: str = "ort-cpu", threads: int | None = None,
+                 fused: bool = False):
         if "eagle" not in manifest.models:
             raise SpecDeployError("method 'eagle' needs an EAGLE head: export with --eagle DIR")
         self.spec = spec = manifest.models["eagle"]
@@ -43,16 +46,25 @@ class EagleHeadRunner:
         self.max_context = manifest.max_context
         if backend not in ORT_PROVIDERS:  # TensorRT engines cover the target; the small head runs on ORT
             backend = "ort-cuda" if "ort-cuda" in available_backends() else "ort-cpu"
-        self.graphs: dict[int, dict[int, OrtGraph]] = {}  # feature width -> T -> graph
+        flavor = "fused" if fused and backend == "ort-cpu" else "portable"
+        self.fused = flavor == "fused" and any(g.model == "eagle" and g.flavor == "fused"
+                                               for g in manifest.graphs.values())
+        if not self.fused:
+            flavor = "portable"
+        self.cache = KVCache(spec, manifest.max_context, manifest.dtype, in_place=self.fused)
+        buffers = {f"past_{kind}.{layer}": bufs[layer] for kind, bufs in (("key", self.cache.keys),
+                   ("value", self.cache.values)) for layer in range(spec.num_layers)}
+        self.graphs: dict[int, dict[int, OrtGraph | InPlaceGraph]] = {}  # feature width -> T -> graph
         for g in manifest.graphs.values():
-            if g.model == "eagle" and g.kind == "eagle_draft":
+            if g.model == "eagle" and g.kind == "eagle_draft" and g.flavor == flavor:
                 width = int(g.extra["features"])
-                self.graphs.setdefault(width, {})[g.tokens] = OrtGraph(manifest.graph_path(g), backend, threads)
+                path = manifest.graph_path(g)
+                self.graphs.setdefault(width, {})[g.tokens] = (
+                    InPlaceGraph(path, threads, buffers) if self.fused else OrtGraph(path, backend, threads))
         for width in {self.feature_dim, spec.hidden_size}:
             if width not in self.graphs:
                 raise SpecDeployError(f"export has no EAGLE draft graph reading {width}-wide features (re-export)")
         self.sizes = {w: sorted(gs) for w, gs in self.graphs.items()}
-        self.cache = KVCache(spec, manifest.max_context, manifest.dtype)
         self.calls, self.seconds = 0, 0.0
 
     def graph_for(self, width: int, n: int) -> int:
@@ -84,12 +96,18 @@ class EagleHeadRunner:
         full[0, :n, : d + n] = mask
         full[0, np.arange(n, t), d + np.arange(n, t)] = True  # padding rows see only themselves
         feeds = {"input_ids": ids, "features": feats, "position_ids": pos, "tree_mask": full}
-        for layer in range(self.spec.num_layers):
-            feeds[f"past_key.{layer}"], feeds[f"past_value.{layer}"] = self.cache.past(layer)
+        if self.fused:
+            feeds["past_length"] = self.cache.length
+        else:
+            for layer in range(self.spec.num_layers):
+                feeds[f"past_key.{layer}"], feeds[f"past_value.{layer}"] = self.cache.past(layer)
         start = time.perf_counter()
         out = self.graphs[width][t].run(feeds)
         self.seconds += time.perf_counter() - start
         self.calls += 1
+        if self.fused:  # bound output arrays are reused by the next call: copy the real rows
+            return HeadOutput(out["topk_logprobs"][0, :n].copy(), out["topk_ids"][0, :n].copy(),
+                              out["hidden"][0, :n].copy(), [])
         presents = [out[f"present_{kind}.{layer}"] for layer in range(self.spec.num_layers) for kind in ("key", "value")]
         return HeadOutput(out["topk_logprobs"][0, :n], out["topk_ids"][0, :n], out["hidden"][0, :n], presents)
 

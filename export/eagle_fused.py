@@ -1,0 +1,76 @@
+"""The EAGLE head as a fused ORT-CPU graph (see fused_graph.py), beside its portable twin.
+
+Same I/O as the portable `eagle_draft` graph (eagle_export.py) except that the KV
+cache is the whole head-major buffer, bound as past and present and written in
+place, with `past_length` saying how many rows are filled. The tree_mask covers
+the last S keys (earlier draft levels + the T new rows); keys before them are
+visible to every row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+from torch import nn
+
+from .eagle_heads import EagleHead
+from .fused_graph import AttentionShape, GraphBuilder, _np, check_silu
+
+
+def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
+                           max_positions: int) -> onnx.ModelProto:
+    cfg, t = head.cfg, tokens
+    check_silu(cfg)
+    eps = float(cfg.rms_norm_eps)
+    shape = AttentionShape(t, head.num_heads, head.num_kv_heads, head.head_dim)
+    b = GraphBuilder(wide_mask=True)
+    rope = b.rope_tables(head.rotary_emb, head.hidden_size, head.head_dim, max_positions)
+    lengths = b.attention_lengths(t)
+    (emb,) = b.op("Gather", [b.init("embed.weight", _np(head.embed_tokens.weight)), "input_ids"])
+
+    def residual(h: str, x: str) -> str:
+        (y,) = b.op("Add", [h, x])
+        return y
+
+    if head.version == 1:
+        (cat,) = b.op("Concat", [emb, "features"], axis=2)
+        h = b.linear(cat, [head.fc], "fc")
+        for i, layer in enumerate(head.layers):
+            norm_in = layer.input_layernorm
+            x = h if isinstance(norm_in, nn.Identity) else b.rms_norm(h, norm_in.weight, eps, f"layers.{i}.input_norm")
+            h = residual(h, b.attention(x, layer.self_attn, i, shape, lengths, rope))
+            x = b.rms_norm(h, layer.post_attention_layernorm.weight, eps, f"layers.{i}.post_norm")
+            h = residual(h, b.mlp(x, layer.mlp, f"layers.{i}"))
+        weight = head.target_lm_head.weight
+        if head.vocab_subset is not None:
+            weight = weight[head.vocab_subset]
+        logits = b.matmul(h, _np(weight).T, "lm_head.weight")
+    else:
+        mid = head.midlayer
+        h = b.linear("features", [head.fc], "fc") if width != head.hidden_size else "features"
+        (x,) = b.op("Concat", [b.rms_norm(emb, mid.input_layernorm.weight, eps, "input_norm"),
+                               b.rms_norm(h, mid.hidden_norm.weight, eps, "hidden_norm")], axis=2)
+        h = residual(h, b.attention(x, mid.self_attn, 0, shape, lengths, rope))
+        x = b.rms_norm(h, mid.post_attention_layernorm.weight, eps, "post_norm")
+        h = residual(h, b.mlp(x, mid.mlp, "mlp"))
+        logits = b.linear(b.rms_norm(h, head.norm.weight, eps, "final_norm"), [head.lm_head], "lm_head")
+    (logp,) = b.op("LogSoftmax", [logits], axis=-1)
+    values, idx = b.op("TopK", [logp, b.init("top_k", np.array([top_k], np.int64))], n_out=2, axis=-1)
+    if head.version == 3:  # draft vocabulary -> target ids
+        (offset,) = b.op("Gather", [b.init("d2t", head.d2t.numpy().astype(np.int64)), idx])
+        (idx,) = b.op("Add", [idx, offset])
+    elif head.vocab_subset is not None:
+        (idx,) = b.op("Gather", [b.init("vocab_subset", head.vocab_subset.numpy().astype(np.int64)), idx])
+    b.rename(values, "topk_logprobs")
+    b.rename(idx, "topk_ids")
+    b.rename(h, "hidden")
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info("features", TensorProto.FLOAT, [1, t, width]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, [1, t, "mask_len"]),
+              helper.make_tensor_value_info("past_length", TensorProto.INT64, [1])]
+    outputs = [helper.make_tensor_value_info("topk_logprobs", TensorProto.FLOAT, [1, t, top_k]),
+               helper.make_tensor_value_info("topk_ids", TensorProto.INT64, [1, t, top_k]),
+               helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, t, head.hidden_size])]
+    return b.model(f"fused_eagle_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim, head.num_layers)
