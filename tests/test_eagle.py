@@ -424,4 +424,4 @@ def test_runtime_errors(heads, micro_export):
     export = _open(heads["trained"][2])
     assert "top 6 candidates" in _error(lambda: Generation(export, ids, method="eagle", method_overrides={"mode": "eagle2", "top_k": 6}))
     assert "re-export" in _error(lambda: Generation(export, ids, method="eagle",
-                                                    method_overrides={"mode": "eagle2", "top_k": 4, "total_tokens": 40}))
+                                                    method_overrides={"mode": "eagle2", "top_k": 4, "total_tokens": 70}))

@@ -109,11 +109,11 @@ def test_support_matrix_names_its_source():
 def test_decoder_profile_from_manifest(micro_export):
     m = load_manifest(micro_export, verify_checksums=False)
     spec = m.models["target"]
-    prof = graph_profile(m, "target_t5")
-    assert prof["input_ids"].min == prof["input_ids"].max == (1, 5)
-    assert prof["tree_mask"].opt == (1, 5, 5)
+    prof = graph_profile(m, "target_t9")
+    assert prof["input_ids"].min == prof["input_ids"].max == (1, 9)
+    assert prof["tree_mask"].opt == (1, 9, 9)
     past = prof["past_value.0"]
-    hi = m.max_context - 5
+    hi = m.max_context - 9
     assert past.min == (1, 0, spec.num_kv_heads, spec.head_dim)  # empty cache on the first prefill chunk
     assert past.max == (1, hi, spec.num_kv_heads, spec.head_dim)
     assert past.min[1] < past.opt[1] < past.max[1]
@@ -169,9 +169,9 @@ def _fake_engines(root):
 
 def test_engine_records_list_onnx_and_weights(export_copy):
     m, _ = _fake_engines(export_copy)
-    rec = load_engines(export_copy)["engines"]["target_t5"]
-    assert set(rec["sources"]) == {"target_t5.onnx", "weights/target.bin"}
-    assert rec["sources"]["target_t5.onnx"] == m.files["target_t5.onnx"]
+    rec = load_engines(export_copy)["engines"]["target_t9"]
+    assert set(rec["sources"]) == {"target_t9.onnx", "weights/target.bin"}
+    assert rec["sources"]["target_t9.onnx"] == m.files["target_t9.onnx"]
     assert rec["profile"]["past_key.0"]["min"][1] == 0
     assert all(why == [] for why in engine_status(m).values())
 
@@ -183,13 +183,13 @@ def test_changed_onnx_makes_its_engine_stale(export_copy):
     onnx.save(model, str(export_copy / "target_t1.onnx"))
     status = engine_status(m)
     assert status["target_t1"] == ["target_t1.onnx changed since the engine was built"]
-    assert status["target_t5"] == [] and status["draft_t1"] == []
+    assert status["target_t9"] == [] and status["draft_t1"] == []
     # Weights shared by all target graphs: every target engine goes stale, the draft's do not.
     with open(export_copy / "weights" / "target.bin", "r+b") as f:
         f.write(b"\1\2\3\4")
     status = engine_status(m)
-    assert all("weights/target.bin changed" in " ".join(status[g]) for g in ("target_t1", "target_t5", "target_t16"))
-    assert status["draft_t16"] == []
+    assert all("weights/target.bin changed" in " ".join(status[g]) for g in ("target_t1", "target_t9", "target_t64"))
+    assert status["draft_t64"] == []
 
 
 def test_engine_from_other_tensorrt_or_gpu_or_missing_is_stale(export_copy):
