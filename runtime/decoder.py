@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,11 @@ from .backends import InPlaceGraph, OrtGraph
 from .errors import SpecDeployError
 from .kv_cache import KVCache
 from .manifest import Manifest
+
+
+@functools.lru_cache(maxsize=64)
+def _eye(t: int) -> np.ndarray:
+    return np.eye(t, dtype=bool)
 
 
 @dataclass
@@ -72,8 +78,10 @@ class Decoder:
         pos[:n] = positions
         pos[n:] = positions[-1] if n else self.cache.length
         full = feeds["tree_mask"][0]
-        full[:] = np.eye(t, dtype=bool)  # padding rows see only themselves
         full[:n, :n] = mask
+        if n < t:  # padding rows see only themselves
+            full[:n, n:] = False
+            full[n:] = _eye(t)[n:]
         if self.fused:
             feeds["past_length"][0] = self.cache.length
         else:

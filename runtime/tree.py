@@ -9,7 +9,7 @@ EAGLE-1) from the published list-of-paths format, or per step for dynamic trees.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -70,7 +70,10 @@ class Tree:
         return [self.path_to(i) for i in range(self.size) if not self.children[i]]
 
     @staticmethod
+    @lru_cache(maxsize=256)
     def chain(n: int) -> "Tree":
+        """A chain of n candidates after the root; shared instances (trees are immutable), so
+        their depth / children / mask are computed once, not on every decode step."""
         return Tree(parents=tuple(range(-1, n)), ranks=(0,) * (n + 1))
 
     @staticmethod
