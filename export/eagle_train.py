@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import shutil
 import sys
 import time
@@ -33,6 +32,8 @@ import torch.nn.functional as F
 
 from ..runtime.errors import SpecDeployError
 from . import corpus
+from .distill_data import (greedy_continuations, target_tokenizer, token_stream, train_for_family,
+                           warmup_cosine_lr, windows)
 from .eagle_heads import DRAFT_VOCAB_FILE, EagleHead, new_head, save_head
 from .hf_loading import load_causal_lm, read_hf_config
 
@@ -86,41 +87,12 @@ PRESETS = {
 # ---------------------------------------------------------------- data
 
 
-def _tokenizer(target_dir: Path):
-    from tokenizers import Tokenizer
-
-    path = Path(target_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise SpecDeployError(f"{target_dir} has no tokenizer.json (needed to tokenize the training text)")
-    return Tokenizer.from_file(str(path))
 
 
-def _stream(tok, texts, eos: int | None, max_tokens: int) -> torch.Tensor:
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tok.encode(text, add_special_tokens=False).ids)
-        if eos is not None:
-            ids.append(eos)
-        if len(ids) >= max_tokens:
-            break
-    return torch.tensor(ids[:max_tokens], dtype=torch.int64)
 
 
-def _windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    if stream.numel() <= length:
-        raise SpecDeployError(f"corpus too small: {stream.numel()} tokens for windows of {length}")
-    starts = torch.randint(0, stream.numel() - length, (count,), generator=gen)
-    return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-@torch.no_grad()
-def _greedy(target, prompts: torch.Tensor, new_tokens: int, batch: int = 32) -> torch.Tensor:
-    out = []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        out.append(target.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
-                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0))
-    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -149,11 +121,6 @@ def head_predict(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor) -> to
     return pred
 
 
-def _lr(step: int, spec: EagleTrainSpec) -> float:
-    if step < spec.warmup:
-        return spec.lr * (step + 1) / spec.warmup
-    t = (step - spec.warmup) / max(spec.steps - spec.warmup, 1)
-    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: EagleTrainSpec,
@@ -167,7 +134,7 @@ def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: E
     head.train()
     for step in range(spec.steps):
         for group in opt.param_groups:
-            group["lr"] = _lr(step, spec)
+            group["lr"] = warmup_cosine_lr(step, spec.lr, spec.warmup, spec.steps)
         idx = torch.randint(0, len(seqs), (spec.batch,), generator=gen)
         s, f = seqs[idx], feats[idx]
         noisy = f + (torch.rand(f.shape, generator=gen) - 0.5) * spec.noise
@@ -219,17 +186,17 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     target = load_causal_lm(target_dir, "float32")
     for p in target.parameters():
         p.requires_grad_(False)
-    tok = _tokenizer(target_dir)
+    tok = target_tokenizer(target_dir)
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     gen = torch.Generator().manual_seed(spec.seed)
     length = spec.seq_len
-    train_stream = _stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 11), eos,
+    train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 11), eos,
                            (spec.data_windows + spec.gen_prompts + 8) * length * 4)
-    heldout_stream = _stream(tok, corpus.iter_texts("heldout"), eos,
+    heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos,
                              (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
-    data = _windows(train_stream, spec.data_windows, length, gen)
-    generated = _greedy(target, _windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    data = windows(train_stream, spec.data_windows, length, gen)
+    generated = greedy_continuations(target, windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens)
     seqs = torch.cat([data, generated])
     feats = _features(target, seqs, spec.bf16)
     progress(f"[eagle] target features for {seqs.numel():,} positions ({len(generated)} greedy continuations) "
@@ -240,8 +207,8 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
         p.requires_grad_(False)
     run = train_head(head, seqs, feats, spec, progress)
 
-    eval_text = _windows(heldout_stream, spec.eval_windows, length, gen)
-    eval_greedy = _greedy(target, _windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    eval_text = windows(heldout_stream, spec.eval_windows, length, gen)
+    eval_greedy = greedy_continuations(target, windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen), spec.gen_tokens)
     accuracy = {
         "heldout_text": head_accuracy(head, eval_text, _features(target, eval_text, False)),
         "heldout_greedy": head_accuracy(head, eval_greedy, _features(target, eval_greedy, False)),
@@ -274,38 +241,9 @@ def write_draft_vocab(out_dir: Path, seqs: torch.Tensor, vocab_size: int) -> Non
     (Path(out_dir) / DRAFT_VOCAB_FILE).write_text(json.dumps(data) + "\n")
 
 
-def _cached(out_dir: Path, spec: EagleTrainSpec, target_hash: str | None) -> dict | None:
-    meta_path = Path(out_dir) / "train.json"
-    if not meta_path.is_file() or not (Path(out_dir) / "config.json").is_file():
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError:
-        return None
-    if meta.get("train_hash") != spec.config_hash() or meta.get("target_hash") != target_hash:
-        return None
-    return meta
-
-
 def build_eagle_head(family_dir: Path, preset: str, progress: Progress = print) -> dict:
-    """A head for a built family's target, cached in <family_dir>/eagle (redone when the
-    preset's training spec or the family's config hash changes). Returns train.json."""
-    if preset not in PRESETS:
-        raise SpecDeployError(f"unknown EAGLE preset {preset!r}; expected one of {sorted(PRESETS)}")
-    family_dir = Path(family_dir)
-    fam_path = family_dir / "family.json"
-    if not fam_path.is_file():
-        raise SpecDeployError(f"{family_dir} is not a finished family build (no family.json): build the family first")
-    target_hash = json.loads(fam_path.read_text()).get("config_hash")
-    spec, out = PRESETS[preset], family_dir / "eagle"
-    cached = _cached(out, spec, target_hash)
-    if cached is not None:
-        progress(f"[eagle] {preset}: reusing {out} (train {spec.config_hash()})")
-        return cached
-    meta = train_eagle(family_dir / "target", out, spec, progress)
-    meta["target_hash"] = target_hash
-    (out / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    """A head for a built family's target, cached in <family_dir>/eagle. Returns train.json."""
+    return train_for_family(family_dir, "eagle", preset, PRESETS, train_eagle, ["config.json"], progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -35,6 +34,8 @@ import torch.nn.functional as F
 
 from ..runtime.errors import SpecDeployError
 from . import corpus
+from .distill_data import (greedy_continuations, target_tokenizer, token_stream, train_for_family,
+                           warmup_cosine_lr, windows)
 from .hf_loading import load_causal_lm, read_hf_config
 from .medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
 
@@ -75,44 +76,12 @@ PRESETS = {
 # ---------------------------------------------------------------- data
 
 
-def _tokenizer(target_dir: Path):
-    from tokenizers import Tokenizer
-
-    path = Path(target_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise SpecDeployError(f"{target_dir} has no tokenizer.json (needed to tokenize the training text)")
-    return Tokenizer.from_file(str(path))
 
 
-def _stream(tok, texts, eos: int | None, max_tokens: int) -> torch.Tensor:
-    """Texts tokenized and joined (each followed by eos when the target has one), up to max_tokens."""
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tok.encode(text, add_special_tokens=False).ids)
-        if eos is not None:
-            ids.append(eos)
-        if len(ids) >= max_tokens:
-            break
-    return torch.tensor(ids[:max_tokens], dtype=torch.int64)
 
 
-def _windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    if stream.numel() <= length:
-        raise SpecDeployError(f"corpus too small: {stream.numel()} tokens for windows of {length}")
-    starts = torch.randint(0, stream.numel() - length, (count,), generator=gen)
-    return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-@torch.no_grad()
-def _greedy(target, prompts: torch.Tensor, new_tokens: int, batch: int = 64) -> torch.Tensor:
-    """The target's greedy continuations (prompt included), equal-length prompts so no padding."""
-    out = []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        seq = target.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
-                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-        out.append(seq)
-    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -137,11 +106,6 @@ def _threads(most: int) -> int:
     return max(1, min(most, int(free + 0.5)))
 
 
-def _lr(step: int, spec: HeadsTrainSpec) -> float:
-    if step < spec.warmup:
-        return spec.lr * (step + 1) / spec.warmup
-    t = (step - spec.warmup) / max(spec.steps - spec.warmup, 1)
-    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def _sample_positions(n_seq: int, length: int, heads: int, batch: int, gen: torch.Generator):
@@ -166,7 +130,7 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, 
     heads.heads.train()
     for step in range(spec.steps):
         for group in opt.param_groups:
-            group["lr"] = _lr(step, spec)
+            group["lr"] = warmup_cosine_lr(step, spec.lr, spec.warmup, spec.steps)
         seq, t = _sample_positions(n_seq, length, heads.num_heads, spec.batch, gen)
         h = hidden[seq, t]
         loss = 0.0
@@ -216,16 +180,17 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     target = load_causal_lm(target_dir, "float32")
     for p in target.parameters():
         p.requires_grad_(False)
-    tok = _tokenizer(target_dir)
+    tok = target_tokenizer(target_dir)
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     gen = torch.Generator().manual_seed(spec.seed)
 
     length = spec.prompt_len + spec.gen_tokens
-    train_stream = _stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 7), eos,
+    train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 7), eos,
                            (spec.gen_prompts + 8) * spec.prompt_len * 64)
-    heldout_stream = _stream(tok, corpus.iter_texts("heldout"), eos, (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
-    generated = _greedy(target, _windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos, (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    generated = greedy_continuations(target, windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens,
+                                     batch=64)
     progress(f"[medusa] {len(generated)} greedy continuations of {spec.gen_tokens} tokens "
              f"({time.perf_counter() - t0:.1f}s)")
     hidden, labels = _hidden(target, generated, bf16=spec.bf16)
@@ -235,8 +200,9 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     heads = new_heads(spec.heads, spec.layers, target.lm_head.weight, base_model=str(target_dir.resolve()))
     run = train_heads(heads, hidden, labels, spec, progress)
 
-    eval_text = _windows(heldout_stream, spec.eval_windows, length, gen)
-    eval_gen = _greedy(target, _windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    eval_text = windows(heldout_stream, spec.eval_windows, length, gen)
+    eval_gen = greedy_continuations(target, windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen),
+                                    spec.gen_tokens, batch=64)
     metrics = {
         "heldout_text": head_accuracy(heads, *_hidden(target, eval_text)),
         "heldout_greedy": head_accuracy(heads, *_hidden(target, eval_gen)),
@@ -257,39 +223,10 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     return meta
 
 
-def _cached(out_dir: Path, spec: HeadsTrainSpec, target_hash: str | None) -> dict | None:
-    meta_path = Path(out_dir) / "train.json"
-    cfg_path = Path(out_dir) / CONFIG_NAME
-    if not meta_path.is_file() or not cfg_path.is_file() or not any((Path(out_dir) / n).is_file() for n in WEIGHT_NAMES):
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError:
-        return None
-    if meta.get("train_hash") != spec.config_hash() or meta.get("target_hash") != target_hash:
-        return None
-    return meta
-
-
 def build_medusa_heads(family_dir: Path, preset: str, progress: Progress = print) -> dict:
-    """Heads for a built family's target, cached in <family_dir>/medusa (redone when the
-    preset's training spec or the family's own config hash changes)."""
-    if preset not in PRESETS:
-        raise SpecDeployError(f"unknown Medusa preset {preset!r}; expected one of {sorted(PRESETS)}")
-    family_dir = Path(family_dir)
-    fam_path = family_dir / "family.json"
-    if not fam_path.is_file():
-        raise SpecDeployError(f"{family_dir} is not a finished family build (no family.json): build the family first")
-    target_hash = json.loads(fam_path.read_text()).get("config_hash")
-    spec, out = PRESETS[preset], family_dir / "medusa"
-    cached = _cached(out, spec, target_hash)
-    if cached is not None:
-        progress(f"[medusa] {preset}: reusing {out} (train {spec.config_hash()})")
-        return cached
-    meta = train_medusa(family_dir / "target", out, spec, progress)
-    meta["target_hash"] = target_hash
-    (out / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    """Heads for a built family's target, cached in <family_dir>/medusa. Returns train.json."""
+    return train_for_family(family_dir, "medusa", preset, PRESETS, train_medusa, [CONFIG_NAME, "|".join(WEIGHT_NAMES)],
+                            progress)
 
 
 def main(argv: list[str] | None = None) -> int:
