@@ -7,7 +7,6 @@ feature layers (`target_feature_layers`).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from torch import nn
 
 from ..runtime.drafters.eagle import graph_plan
 from ..runtime.errors import SpecDeployError
-from .eagle_heads import DRAFT_VOCAB_FILE, EagleHead, eagle3_feature_layers, load_eagle_head
+from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
 from .eagle_fused import build_fused_eagle_head
 from .fused_graph import fused_feeds, fused_reference
 from .onnx_writer import SharedWeights, export_module
@@ -148,17 +148,10 @@ class EagleExport:
     def _draft_vocab(self, size: int, progress) -> None:
         """eagle.draft_vocab N: draft among the head's N most frequent target tokens, when it says which."""
         head = self.head
-        if not size or head.version != 1 or size >= head.target_vocab:
+        if head.version != 1:  # EAGLE-3 heads bring their own draft vocabulary (d2t)
             return
-        path = self.head_dir / DRAFT_VOCAB_FILE
-        if not path.is_file():
-            progress(f"  eagle.draft_vocab {size}: the head has no {DRAFT_VOCAB_FILE}, drafting over the full vocabulary")
+        ids = read_draft_vocab(self.head_dir, size, head.target_vocab, "eagle", progress)
+        if ids is None:
             return
-        try:
-            ids = [int(i) for i in json.loads(path.read_text())["token_ids"]]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SpecDeployError(f"{path} is not a valid draft vocabulary: {exc!r}") from None
-        if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= head.target_vocab:
-            raise SpecDeployError(f"{path}: token_ids must be distinct ids in [0, {head.target_vocab})")
-        head.restrict_vocab(ids[:size])
+        head.restrict_vocab(ids)
         progress(f"  EAGLE drafts among the {head.draft_vocab} most frequent tokens ({DRAFT_VOCAB_FILE})")

@@ -32,7 +32,6 @@ from transformers.models.llama.modeling_llama import (
 from ..runtime.errors import SpecDeployError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-DRAFT_VOCAB_FILE = "draft_vocab.json"  # specdeploy's extra: target token ids by frequency (eagle_train)
 # Keys published checkpoints may carry that the head does not need (or takes from the target).
 OPTIONAL_KEYS = ("embed_tokens.weight",)
 

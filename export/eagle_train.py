@@ -34,7 +34,8 @@ from ..runtime.errors import SpecDeployError
 from . import corpus
 from .distill_data import (greedy_continuations, target_tokenizer, token_stream, train_for_family,
                            warmup_cosine_lr, windows)
-from .eagle_heads import DRAFT_VOCAB_FILE, EagleHead, new_head, save_head
+from .draft_vocab import write_draft_vocab
+from .eagle_heads import EagleHead, new_head, save_head
 from .hf_loading import load_causal_lm, read_hf_config
 
 Progress = Callable[[str], None]
@@ -227,18 +228,6 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     tmp.rename(out_dir)
     progress(f"[eagle] head written to {out_dir} in {meta['seconds']:.1f}s")
     return meta
-
-
-def write_draft_vocab(out_dir: Path, seqs: torch.Tensor, vocab_size: int) -> None:
-    """draft_vocab.json beside the published layout: target tokens by frequency in the training
-    text (mostly the target's own greedy output), so an export can draft among the most
-    frequent N only (`eagle.draft_vocab`). Upstream loaders ignore the extra file."""
-    counts = torch.bincount(seqs.flatten(), minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    seen = [i for i in order if counts[i] > 0]
-    data = {"about": "target token ids by frequency in the head's training text (most frequent first)",
-            "token_ids": seen, "counts": [int(counts[i]) for i in seen]}
-    (Path(out_dir) / DRAFT_VOCAB_FILE).write_text(json.dumps(data) + "\n")
 
 
 def build_eagle_head(family_dir: Path, preset: str, progress: Progress = print) -> dict:

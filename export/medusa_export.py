@@ -20,6 +20,7 @@ from torch import nn
 
 from ..runtime.drafters.medusa import GRAPH_KIND
 from ..runtime.errors import SpecDeployError
+from .draft_vocab import read_draft_vocab
 from .medusa_heads import MedusaHeads, load_heads
 from .onnx_writer import SharedWeights, export_module
 from .reference import run_torch, save_reference
@@ -29,16 +30,26 @@ INPUTS, OUTPUTS = ["hidden"], ["topk_ids", "topk_logprobs"]
 
 
 class MedusaHeadsModule(nn.Module):
-    """hidden [1, H] -> (topk_ids, topk_logprobs) [num_heads, K]: the graph's PyTorch side."""
+    """hidden [1, H] -> (topk_ids, topk_logprobs) [num_heads, K]: the graph's PyTorch side.
 
-    def __init__(self, heads: MedusaHeads, num_heads: int, top_k: int):
+    With `vocab_subset` each head's LM head keeps only those tokens' rows (the draft
+    vocabulary): candidates and their log-probabilities are among them, ids mapped back.
+    """
+
+    def __init__(self, heads: MedusaHeads, num_heads: int, top_k: int, vocab_subset: list[int] | None = None):
         super().__init__()
-        self.heads = nn.ModuleList(heads.heads[:num_heads])
+        self.blocks = nn.ModuleList(nn.Sequential(*head[:-1]) for head in heads.heads[:num_heads])
+        rows = None if vocab_subset is None else torch.as_tensor(vocab_subset, dtype=torch.int64)
+        weights = [head[-1].weight if rows is None else head[-1].weight[rows] for head in heads.heads[:num_heads]]
+        self.lm_heads = nn.ParameterList(nn.Parameter(w.detach().clone(), requires_grad=False) for w in weights)
+        self.register_buffer("vocab_subset", rows)
         self.top_k = top_k
 
     def forward(self, hidden):
-        logits = torch.cat([head(hidden) for head in self.heads], 0)  # [num_heads, V]
+        logits = torch.cat([nn.functional.linear(block(hidden), w) for block, w in zip(self.blocks, self.lm_heads)], 0)
         values, ids = torch.topk(torch.log_softmax(logits.float(), -1), self.top_k, dim=-1)
+        if self.vocab_subset is not None:
+            ids = self.vocab_subset[ids]
         return ids, values
 
 
@@ -75,7 +86,9 @@ class MedusaExport:
     def __call__(self, ctx: dict) -> None:
         params = ctx["methods"]["medusa"]
         start = time.perf_counter()
-        wrapper = MedusaHeadsModule(self.heads, params["heads"], params["top_k"]).eval()
+        subset = read_draft_vocab(self.heads_dir, params.get("draft_vocab", 0), self.heads.vocab_size, "medusa",
+                                  ctx["progress"])
+        wrapper = MedusaHeadsModule(self.heads, params["heads"], params["top_k"], subset).eval()
         hidden = self.heads.hidden_size
         out = ctx["out"]
         sample = {"hidden": np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)}
@@ -86,7 +99,7 @@ class MedusaExport:
         ctx["graphs"][GRAPH_NAME] = {
             "file": f"{GRAPH_NAME}.onnx", "model": "target", "kind": GRAPH_KIND, "tokens": 1,
             "num_heads": params["heads"], "top_k": params["top_k"], "num_layers": self.heads.num_layers,
-            "source": self.heads.source,
+            "source": self.heads.source, "draft_vocab": len(subset) if subset else self.heads.vocab_size,
         }
         ctx["progress"](f"  exported {GRAPH_NAME}.onnx ({params['heads']} heads, top-{params['top_k']}, tree of "
                         f"{len(params['tree_paths']['paths']) + 1} tokens) in {time.perf_counter() - start:.1f}s")

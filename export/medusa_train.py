@@ -36,11 +36,12 @@ from ..runtime.errors import SpecDeployError
 from . import corpus
 from .distill_data import (greedy_continuations, target_tokenizer, token_stream, train_for_family,
                            warmup_cosine_lr, windows)
+from .draft_vocab import write_draft_vocab
 from .hf_loading import load_causal_lm, read_hf_config
 from .medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
 
 Progress = Callable[[str], None]
-TRAIN_FORMAT = 1  # bump when the recipe changes in a way the spec hash cannot see
+TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(heads, tmp, fmt, extra_config={"specdeploy_train_hash": spec.config_hash()})
+    write_draft_vocab(tmp, generated, target.config.vocab_size)
     (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)

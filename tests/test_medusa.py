@@ -318,6 +318,43 @@ def test_greedy_equals_hf_greedy(exports, hf_reference, which):
         assert accepted >= len(PROMPTS) * 4
 
 
+def test_draft_vocabulary_limits_candidates(medusa_exports, trained_heads, micro_family, tmp_path):
+    """medusa.draft_vocab N: trained heads (with draft_vocab.json) propose only the N most frequent
+    tokens, and greedy output is unchanged; heads without the file keep the full vocabulary."""
+
+    from specdeploy.export.check import check_path
+    from specdeploy.export.exporter import export_all
+    from specdeploy.runtime.backends import OrtGraph
+    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.generate import generate
+
+    config = tmp_path / "vocab.yaml"
+    config.write_text("max_context: 256\nmethods:\n  medusa: {draft_vocab: 40}\n")
+    with one_torch_thread():
+        out = export_all(micro_family / "target", tmp_path / "export", medusa=trained_heads[0], config=config,
+                         progress=lambda m: None)
+    allowed = set(json.loads((trained_heads[0] / "draft_vocab.json").read_text())["token_ids"][:40])
+    vocab = json.loads((out / "manifest.json").read_text())["models"]["target"]["vocab_size"]
+    assert json.loads((out / "manifest.json").read_text())["graphs"]["medusa_heads"]["draft_vocab"] == 40
+    pt = json.loads((medusa_exports["pt"] / "manifest.json").read_text())["graphs"]["medusa_heads"]
+    assert pt["draft_vocab"] == vocab  # random published-layout heads: no draft_vocab.json
+    assert all(r.passed for r in check_path(out) if r.graph == "medusa_heads")
+    graph = OrtGraph(out / "medusa_heads.onnx", threads=1)
+    hidden_size = graph.session.get_inputs()[0].shape[-1]
+    rng = np.random.default_rng(0)
+    proposed = set()
+    for _ in range(20):
+        proposed |= set(graph.run({"hidden": rng.standard_normal((1, hidden_size)).astype(np.float32)})["topk_ids"]
+                        .ravel().tolist())
+    assert proposed and proposed <= allowed
+    export = Export(out, threads=1)
+    for prompt in PROMPTS[:3]:
+        ids = export.tokenizer.encode(prompt)
+        ours = generate(export, ids, method="medusa", max_new_tokens=NEW, ignore_eos=True)
+        with one_torch_thread():
+            assert ours.token_ids == hf_greedy(micro_family / "target", ids, NEW), prompt
+
+
 def exact_joint(export, ids, params, n):
     """{(x1..xn): probability} of the target's first n tokens under `params`, from its logits."""
     dec = export.decoder("target")

@@ -23,7 +23,7 @@ from ..tree import Tree
 from ..tree_files import resolve_tree
 from .base import DecodeState, Drafter, Proposal
 
-KEYS = {"heads", "tree", "top_k", "tree_paths"}
+KEYS = {"heads", "tree", "top_k", "tree_paths", "draft_vocab"}
 GRAPH_KIND = "medusa_heads"
 
 
@@ -31,7 +31,8 @@ def validate(params: dict) -> dict:
     """{heads, tree, top_k, tree_paths}; tree_paths carries the resolved paths (the manifest keeps them)."""
     unknown = set(params) - KEYS
     if unknown:
-        raise SpecDeployError(f"config: unknown medusa settings {sorted(unknown)} (known: heads, tree, top_k)")
+        raise SpecDeployError(f"config: unknown medusa settings {sorted(unknown)} (known: heads, tree, top_k, "
+                              "draft_vocab)")
     heads = positive_int(params.get("heads", 4), "medusa.heads")
     spec = params.get("tree", "medusa_cpu_8")
     cached = params.get("tree_paths")
@@ -51,8 +52,13 @@ def validate(params: dict) -> dict:
         raise SpecDeployError(f"config: medusa.tree {label!r} uses rank {need - 1}, so it needs top_k >= {need}, "
                               f"but medusa.top_k is {top_k} (an export's heads graph returns exactly top_k "
                               "candidates per head: re-export with this tree)")
+    draft_vocab = params.get("draft_vocab", 0)
+    if draft_vocab != 0:
+        positive_int(draft_vocab, "medusa.draft_vocab (0: the full vocabulary)")
+        if draft_vocab < top_k:
+            raise SpecDeployError(f"config: medusa.draft_vocab {draft_vocab} is smaller than top_k {top_k}")
     return {"heads": heads, "tree": spec if isinstance(spec, str) else [list(p) for p in paths], "top_k": top_k,
-            "tree_paths": {"name": label, "paths": [list(p) for p in paths]}}
+            "draft_vocab": draft_vocab, "tree_paths": {"name": label, "paths": [list(p) for p in paths]}}
 
 
 def shown(params: dict) -> dict:
