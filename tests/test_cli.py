@@ -51,6 +51,18 @@ def test_check_export_dir_and_single_graph(micro_export):
     assert single.returncode == 0 and "draft_t1" in single.stdout
 
 
+def test_no_fused_export_runs_the_portable_graphs(micro_family, tmp_path):
+    out = tmp_path / "portable"
+    proc = run_cli("export", "--target", micro_family / "target", "--out", out, "--no-fused", "--no-check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["graphs"] and all("flavor" not in g for g in manifest["graphs"].values())
+    gen = run_cli("generate", out, "--prompt", "def f(x):", "--max-new-tokens", "6", "--json")
+    assert gen.returncode == 0, gen.stderr
+    fused = run_cli("generate", out, "--graphs", "fused", "--prompt", "def f(x):", "--max-new-tokens", "6")
+    assert fused.returncode == 2 and "fused graphs need" in fused.stderr and "Traceback" not in fused.stderr
+
+
 def test_fp16_export_checks_and_generates(micro_family, tmp_path):
     out = tmp_path / "fp16"
     proc = run_cli("export", "--target", micro_family / "target", "--draft", micro_family / "draft", "--out", out,
@@ -58,6 +70,7 @@ def test_fp16_export_checks_and_generates(micro_family, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dtype"] == "float16"
+    assert all(g.get("flavor") != "fused" for g in manifest["graphs"].values())  # fused graphs are fp32-only
     gen = run_cli("generate", out, "--method", "draft", "--prompt", "def f(x):", "--max-new-tokens", "8", "--json")
     assert gen.returncode == 0, gen.stderr
     assert len(json.loads(gen.stdout.splitlines()[-1])["token_ids"]) >= 1
