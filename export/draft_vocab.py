@@ -35,7 +35,8 @@ def read_draft_vocab(head_dir: Path, size: int, vocab_size: int, what: str, prog
         return None
     path = Path(head_dir) / DRAFT_VOCAB_FILE
     if not path.is_file():
-        progress(f"  {what}.draft_vocab {size}: {head_dir} has no {DRAFT_VOCAB_FILE}, drafting over the full vocabulary")
+        progress(f"  {what}.draft_vocab {size}: {head_dir} has no {DRAFT_VOCAB_FILE}, "
+                 "drafting over the full vocabulary")
         return None
     try:
         ids = [int(i) for i in json.loads(path.read_text())["token_ids"]]

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from .eagle_heads import EagleHead
-from .fused_graph import AttentionShape, GraphBuilder, _np, check_silu
+from .fused_graph import AttentionShape, GraphBuilder, check_silu, float32_array
 
 
 def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
@@ -27,7 +27,7 @@ def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
     b = GraphBuilder(wide_mask=True)
     rope = b.rope_tables(head.rotary_emb, head.hidden_size, head.head_dim, max_positions)
     lengths = b.attention_lengths(t)
-    (emb,) = b.op("Gather", [b.init("embed.weight", _np(head.embed_tokens.weight)), "input_ids"])
+    (emb,) = b.op("Gather", [b.init("embed.weight", float32_array(head.embed_tokens.weight)), "input_ids"])
 
     def residual(h: str, x: str) -> str:
         (y,) = b.op("Add", [h, x])
@@ -45,7 +45,7 @@ def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
         weight = head.target_lm_head.weight
         if head.vocab_subset is not None:
             weight = weight[head.vocab_subset]
-        logits = b.matmul(h, _np(weight).T, "lm_head.weight")
+        logits = b.matmul(h, float32_array(weight).T, "lm_head.weight")
     else:
         mid = head.midlayer
         h = b.linear("features", [head.fc], "fc") if width != head.hidden_size else "features"

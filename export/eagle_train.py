@@ -197,7 +197,8 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos,
                              (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
     data = windows(train_stream, spec.data_windows, length, gen)
-    generated = greedy_continuations(target, windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    prompts = windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
+    generated = greedy_continuations(target, prompts, spec.gen_tokens)
     seqs = torch.cat([data, generated])
     feats = _features(target, seqs, spec.bf16)
     progress(f"[eagle] target features for {seqs.numel():,} positions ({len(generated)} greedy continuations) "
@@ -209,7 +210,8 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     run = train_head(head, seqs, feats, spec, progress)
 
     eval_text = windows(heldout_stream, spec.eval_windows, length, gen)
-    eval_greedy = greedy_continuations(target, windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen), spec.gen_tokens)
+    heldout_starts = windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen)
+    eval_greedy = greedy_continuations(target, heldout_starts, spec.gen_tokens)
     accuracy = {
         "heldout_text": head_accuracy(head, eval_text, _features(target, eval_text, False)),
         "heldout_greedy": head_accuracy(head, eval_greedy, _features(target, eval_greedy, False)),

@@ -33,7 +33,7 @@ OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 FUSED_DTYPES = ("float32",)  # ORT's CPU kernels for these contrib ops are fastest (and tested) in fp32
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+def float32_array(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().numpy()
 
 
@@ -59,10 +59,10 @@ class GraphBuilder:
 
     def linear(self, x: str, modules: list[torch.nn.Linear], name: str) -> str:
         """x @ W.T (+ b) for one or several Linear layers sharing the input (their outputs concatenated)."""
-        w = np.concatenate([_np(m.weight).T for m in modules], axis=1)
+        w = np.concatenate([float32_array(m.weight).T for m in modules], axis=1)
         (y,) = self.op("MatMul", [x, self.init(f"{name}.weight", w)])
         if any(m.bias is not None for m in modules):
-            b = np.concatenate([_np(m.bias) if m.bias is not None else np.zeros(m.out_features, np.float32)
+            b = np.concatenate([float32_array(m.bias) if m.bias is not None else np.zeros(m.out_features, np.float32)
                                 for m in modules])
             (y,) = self.op("Add", [y, self.init(f"{name}.bias", b)])
         return y
@@ -81,7 +81,8 @@ class GraphBuilder:
         with torch.no_grad():
             cos, sin = rotary_emb(torch.zeros(1, 1, hidden_size), torch.arange(max_positions)[None])
         half = head_dim // 2
-        return self.init("rope.cos", _np(cos[0, :, :half])), self.init("rope.sin", _np(sin[0, :, :half]))
+        return (self.init("rope.cos", float32_array(cos[0, :, :half])),
+                self.init("rope.sin", float32_array(sin[0, :, :half])))
 
     def attention_lengths(self, t: int) -> tuple[str, str, str]:
         """GroupQueryAttention's lengths (seqlens_k = total - 1, total as a scalar) and the additive
@@ -120,7 +121,8 @@ class GraphBuilder:
             normed = []
             for tag, x_, n_, mod in (("q", q, heads, attn.q_norm), ("k", k, kv_heads, attn.k_norm)):
                 (r,) = self.op("Reshape", [x_, self.init(f"{p}.{tag}_heads", np.array([1, t, n_, head_dim], np.int64))])
-                (r,) = self.op("SimplifiedLayerNormalization", [r, self.init(f"{p}.{tag}_norm", _np(mod.weight))],
+                gamma = self.init(f"{p}.{tag}_norm", float32_array(mod.weight))
+                (r,) = self.op("SimplifiedLayerNormalization", [r, gamma],
                                epsilon=float(mod.variance_epsilon), axis=-1)
                 (r,) = self.op("Reshape", [r, self.init(f"{p}.{tag}_flat", np.array([1, t, n_ * head_dim], np.int64))])
                 normed.append(r)
@@ -145,7 +147,8 @@ class GraphBuilder:
         return self.linear(act, [mlp.down_proj], f"{name}.down")
 
     def rms_norm(self, x: str, weight: torch.Tensor, eps: float, name: str) -> str:
-        (y,) = self.op("SimplifiedLayerNormalization", [x, self.init(name, _np(weight))], epsilon=eps, axis=-1)
+        gamma = self.init(name, float32_array(weight))
+        (y,) = self.op("SimplifiedLayerNormalization", [x, gamma], epsilon=eps, axis=-1)
         return y
 
     def model(self, name: str, inputs: list, outputs: list, kv_heads: int, head_dim: int,
@@ -194,7 +197,7 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
     lengths = b.attention_lengths(t)
 
-    (h,) = b.op("Gather", [b.init("embed.weight", _np(body.embed_tokens.weight)), "input_ids"])
+    (h,) = b.op("Gather", [b.init("embed.weight", float32_array(body.embed_tokens.weight)), "input_ids"])
     pending = None  # the last sub-block's output, not yet added to the residual stream h
     features = []
 
@@ -203,7 +206,8 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
         nonlocal h, pending
         if pending is None:
             return b.rms_norm(h, weight, eps, name)
-        y, _, _, h = b.op("SkipSimplifiedLayerNormalization", [pending, h, b.init(name, _np(weight))], n_out=4,
+        gamma = b.init(name, float32_array(weight))
+        y, _, _, h = b.op("SkipSimplifiedLayerNormalization", [pending, h, gamma], n_out=4,
                           domain="com.microsoft", epsilon=eps)
         pending = None
         return y

@@ -189,9 +189,10 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     length = spec.prompt_len + spec.gen_tokens
     train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 7), eos,
                            (spec.gen_prompts + 8) * spec.prompt_len * 64)
-    heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos, (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
-    generated = greedy_continuations(target, windows(train_stream, spec.gen_prompts, spec.prompt_len, gen), spec.gen_tokens,
-                                     batch=64)
+    heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos,
+                                  (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    prompts = windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
+    generated = greedy_continuations(target, prompts, spec.gen_tokens, batch=64)
     progress(f"[medusa] {len(generated)} greedy continuations of {spec.gen_tokens} tokens "
              f"({time.perf_counter() - t0:.1f}s)")
     hidden, labels = _hidden(target, generated, bf16=spec.bf16)

@@ -108,7 +108,8 @@ class EagleHeadRunner:
         if self.fused:  # bound output arrays are reused by the next call: copy the real rows
             return HeadOutput(out["topk_logprobs"][0, :n].copy(), out["topk_ids"][0, :n].copy(),
                               out["hidden"][0, :n].copy(), [])
-        presents = [out[f"present_{kind}.{layer}"] for layer in range(self.spec.num_layers) for kind in ("key", "value")]
+        presents = [out[f"present_{kind}.{layer}"] for layer in range(self.spec.num_layers)
+                    for kind in ("key", "value")]
         return HeadOutput(out["topk_logprobs"][0, :n], out["topk_ids"][0, :n], out["hidden"][0, :n], presents)
 
     def commit(self, out: HeadOutput, rows) -> None:
