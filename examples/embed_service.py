@@ -40,6 +40,12 @@ async def handle_async(svc: Service, prompt: str) -> str:
 
 
 def main(export_dir: str) -> int:
+    # Before any ONNX Runtime session exists in this process: one thread pool for all of
+    # them (every static-T graph is a session). Skip it if your process has ORT sessions
+    # that must keep their own pools: ORT then requires every session to share.
+    from specdeploy.runtime.backends import use_shared_threads
+
+    use_shared_threads()
     svc = Service.load(export_dir, pool_size=2, queue_size=8, queue_timeout=10.0)
     print("loaded:", svc.status())
 
