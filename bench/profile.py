@@ -1,10 +1,16 @@
 """Where our generate loop spends its time: the runtime's own stage timers plus cProfile.
 
     python -m specdeploy.bench.profile OUT [--method ar] [--prompts FILE] [--max-new-tokens 128] [--threads 2]
+    python -m specdeploy.bench.profile OUT --graph-vs-ortgenai [--past 200]
 
 Stage timers (Generation.stats): prefill, draft, verify (target graph calls), host (the
 rest: verification, KV commits, detokenizing). cProfile's top functions by self time then
 say which Python or ONNX Runtime calls those seconds are.
+
+--graph-vs-ortgenai times the decode graph alone (T=1, KV bound in place, same ONNX
+Runtime, same thread pool, interleaved rounds): our fused target graph against
+onnxruntime-genai's model of the same target (built by `make peers`). Equal graph times
+put any end-to-end gap in the loops around them.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from .prompts import load_prompts, shipped_sets
 
 def profile(export_dir: Path, method: str, prompts: list[str], max_new_tokens: int, threads: int,
             top: int = 18) -> str:
+    from ..runtime.backends import use_shared_threads
     from ..runtime.export_dir import Export
     from ..runtime.generate import generate
 
+    use_shared_threads(threads)  # as the CLI, server and bench run
     export = Export(export_dir, backend="ort-cpu", threads=threads)
     ids = [export.tokenizer.encode(p) for p in prompts]
     generate(export, ids[0], method=method, max_new_tokens=max_new_tokens, ignore_eos=True)  # warm-up
@@ -52,6 +60,76 @@ def profile(export_dir: Path, method: str, prompts: list[str], max_new_tokens: i
     return out.getvalue()
 
 
+def graph_vs_ortgenai(export_dir: Path, peers_dir: Path, threads: int, past: int = 200, rounds: int = 10,
+                      runs: int = 100) -> str:
+    """Median ms per T=1 call of our fused graph and of onnxruntime-genai's, interleaved."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from ..runtime.backends import session_options, use_shared_threads
+    from ..runtime.errors import SpecDeployError
+    from ..runtime.manifest import load_manifest
+    from .peers import genai_model_dirs
+
+    use_shared_threads(threads)
+    manifest = load_manifest(export_dir, verify_checksums=False)
+    ours = manifest.decoder_graphs("target", "fused").get(1)
+    if ours is None:
+        raise SpecDeployError(f"{export_dir} has no fused T=1 target graph")
+    spec = manifest.models["target"]
+    genai_dir = genai_model_dirs(spec.extra["source"], None, peers_dir, build=False)["plain"]
+    if not (genai_dir / "model.onnx").is_file():
+        raise SpecDeployError(f"no onnxruntime-genai model at {genai_dir} (run `make peers`)")
+    keep = []
+
+    def bound(path: Path, kv_name, inputs: dict, outputs: dict):
+        session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+        binding = session.io_binding()
+
+        def value(array):
+            keep.append(array)
+            keep.append(ort.OrtValue.ortvalue_from_numpy(array))
+            return keep[-1]
+
+        for layer in range(spec.num_layers):
+            for kind in ("key", "value"):
+                buf = value(np.zeros((1, spec.num_kv_heads, manifest.max_context, spec.head_dim), np.float32))
+                binding.bind_ortvalue_input(kv_name(layer, kind, "in"), buf)
+                binding.bind_ortvalue_output(kv_name(layer, kind, "out"), buf)
+        for name, array in inputs.items():
+            binding.bind_ortvalue_input(name, value(array))
+        for name, array in outputs.items():
+            binding.bind_ortvalue_output(name, value(array))
+        return session, binding
+
+    logits = lambda: np.zeros((1, 1, spec.vocab_size), np.float32)  # noqa: E731
+    systems = {
+        "specdeploy (fused)": bound(
+            manifest.graph_path(ours), lambda i, k, d: f"{'past' if d == 'in' else 'present'}_{k}.{i}",
+            {"input_ids": np.zeros((1, 1), np.int64), "position_ids": np.array([[past]]),
+             "tree_mask": np.ones((1, 1, 1), bool), "past_length": np.array([past])},
+            {"logits": logits(), "hidden": np.zeros((1, 1, spec.hidden_size), np.float32)}),
+        "onnxruntime-genai": bound(
+            genai_dir / "model.onnx", lambda i, k, d: f"past_key_values.{i}.{k}" if d == "in" else f"present.{i}.{k}",
+            {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, past + 1), np.int64)},
+            {"logits": logits()}),
+    }
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for session, binding in systems.values():  # warm-up
+        for _ in range(20):
+            session.run_with_iobinding(binding)
+    for _ in range(rounds):
+        for name, (session, binding) in systems.items():
+            start = time.perf_counter()
+            for _ in range(runs):
+                session.run_with_iobinding(binding)
+            times[name].append((time.perf_counter() - start) / runs * 1e3)
+    lines = [f"decode graph alone (T=1, past {past}, {threads} threads, shared pool, KV bound in place), "
+             f"median of {rounds} interleaved rounds of {runs} calls:"]
+    lines += [f"  {name:20s} {sorted(t)[len(t) // 2]:.3f} ms (min {min(t):.3f})" for name, t in times.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="export directory")
@@ -60,7 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--graph-vs-ortgenai", action="store_true",
+                   help="time the T=1 decode graph alone beside onnxruntime-genai's (needs `make peers`)")
+    p.add_argument("--past", type=int, default=200, help="cached tokens for --graph-vs-ortgenai")
+    p.add_argument("--peers-dir", type=Path, default=Path("build/peers"))
     args = p.parse_args(argv)
+    if args.graph_vs_ortgenai:
+        from ..runtime.errors import SpecDeployError
+        from .peers import PeerUnavailable
+
+        try:
+            sys.stdout.write(graph_vs_ortgenai(args.out, args.peers_dir, args.threads, args.past))
+        except (SpecDeployError, PeerUnavailable) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     prompts = load_prompts(args.prompts or shipped_sets()["code"])[: args.num_prompts]
     sys.stdout.write(profile(args.out, args.method, prompts, args.max_new_tokens, args.threads))
     return 0

@@ -106,3 +106,22 @@ def test_shipped_prompt_sets():
         prompts = load_prompts(path)
         assert len(prompts) >= 8 and len(set(prompts)) == len(prompts)
     assert all(p.startswith("# Original:") for p in load_prompts(sets["grounded"]))
+
+
+def test_profile_reports_stage_times_and_hot_functions(micro_export):
+    proc = run_cli_module("specdeploy.bench.profile", micro_export, "--num-prompts", "1", "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert "ar: 12 tokens" in proc.stdout and "verify" in proc.stdout and "run_with_iobinding" in proc.stdout
+
+
+def test_graph_comparison_says_when_the_peer_model_is_missing(micro_export, tmp_path):
+    proc = run_cli_module("specdeploy.bench.profile", micro_export, "--graph-vs-ortgenai", "--peers-dir", tmp_path)
+    assert proc.returncode != 0 and "make peers" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def run_cli_module(module, *args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
