@@ -19,7 +19,7 @@ from ..runtime.errors import SpecDeployError
 from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
 from .eagle_fused import build_fused_eagle_head
-from .fused_graph import fused_feeds, fused_reference
+from .fused_graph import write_fused
 from .onnx_writer import SharedWeights, export_module
 from .reference import random_tree_mask, run_torch, save_reference
 
@@ -106,12 +106,7 @@ def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int,
         if fused:
             fname = name.replace("eagle_", "eagle_fused_", 1)
             model = build_fused_eagle_head(head, t, width, plan["top_k"], max_context)
-            fused_weights.externalize(model, out / f"{fname}.onnx")
-            import onnx
-
-            onnx.save(model, str(out / f"{fname}.onnx"))
-            feeds = fused_feeds(ref, t)
-            save_reference(out, fname, feeds, fused_reference(feeds, ref_out, t))
+            write_fused(model, out, fname, fused_weights, ref, ref_out, t)
             graphs[fname] = {**graphs[name], "file": f"{fname}.onnx", "flavor": "fused"}
     return graphs
 

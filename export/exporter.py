@@ -15,7 +15,7 @@ from ..runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
 from ..runtime.methods import VERIFY_TOKENS, validate_methods
 from .decoder_graph import DecoderGraph, graph_io_names
 from .eagle_export import EagleExport
-from .fused_graph import FUSED_DTYPES, build_fused_decoder, fused_feeds, fused_reference
+from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .medusa_export import MedusaExport
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .onnx_writer import SharedWeights, export_module
@@ -99,13 +99,7 @@ class DecoderExporter:
     def _export_fused(self, tokens: int, ref_feeds: dict, ref_outputs: dict) -> tuple[str, dict]:
         graph = f"{self.name}_fused_t{tokens}"
         model = build_fused_decoder(self.model, tokens, self.max_context, self.feature_layers)
-        path = self.out / f"{graph}.onnx"
-        self.fused_weights.externalize(model, path)
-        import onnx
-
-        onnx.save(model, str(path))
-        feeds = fused_feeds(ref_feeds, tokens)
-        save_reference(self.out, graph, feeds, fused_reference(feeds, ref_outputs, tokens))
+        write_fused(model, self.out, graph, self.fused_weights, ref_feeds, ref_outputs, tokens)
         self.progress(f"  wrote {graph}.onnx (ORT fused ops, KV in place)")
         return graph, {"file": f"{graph}.onnx", "model": self.name, "kind": "decoder", "tokens": tokens,
                        "flavor": "fused"}

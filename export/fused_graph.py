@@ -22,6 +22,8 @@ of the portable wrapper checks it (export/check.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import torch
@@ -237,6 +239,19 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
               helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, [1, t, t]),
               helper.make_tensor_value_info("past_length", TensorProto.INT64, [1])]
     return b.model(f"fused_decoder_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim, len(body.layers))
+
+
+def write_fused(model: onnx.ModelProto, out_dir: Path, name: str, weights, portable_feeds: dict,
+                portable_outputs: dict, tokens: int) -> None:
+    """Write a fused graph (weights into the shared file) and its polygraphy reference, derived
+    from the portable graph's PyTorch reference for the same call."""
+    from .reference import save_reference
+
+    path = out_dir / f"{name}.onnx"
+    weights.externalize(model, path)
+    onnx.save(model, str(path))
+    feeds = fused_feeds(portable_feeds, tokens)
+    save_reference(out_dir, name, feeds, fused_reference(feeds, portable_outputs, tokens))
 
 
 def fused_feeds(portable_feeds: dict[str, np.ndarray], tokens: int, slack: int = 3) -> dict[str, np.ndarray]:
