@@ -29,23 +29,31 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
 )
-LONG = 1000  # tokens of a request that keeps its worker busy for a while (max_context is 1024 below)
+CONTEXT = 8192
+LONG = 8000  # tokens of a request that keeps its worker busy for seconds (max_context is CONTEXT below)
 
 
 @pytest.fixture(scope="module")
 def chat_export(micro_family, tmp_path_factory) -> Path:
-    """The micro family with a chat template in its tokenizer_config, exported with a 1024-token context."""
+    """The micro family with a chat template in its tokenizer_config, exported with an 8192-token context.
+
+    The long context lets a request keep its worker busy for seconds (the micro model decodes
+    thousands of tokens a second), so tests can disconnect it mid-generation without a race.
+    """
     from specdeploy.export.exporter import export_all
 
     root = tmp_path_factory.mktemp("serve")
-    target = root / "target"
-    shutil.copytree(micro_family / "target", target)
-    cfg_path = target / "tokenizer_config.json"
+    for name in ("target", "draft"):
+        shutil.copytree(micro_family / name, root / name)
+        config = json.loads((root / name / "config.json").read_text())
+        config["max_position_embeddings"] = CONTEXT  # RoPE extends; the output is nonsense, the server does not care
+        (root / name / "config.json").write_text(json.dumps(config, indent=2))
+    cfg_path = root / "target" / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    (root / "config.yaml").write_text("max_context: 1024\n")
-    return export_all(target, root / "micro-chat", draft=micro_family / "draft", config=root / "config.yaml",
+    (root / "config.yaml").write_text(f"max_context: {CONTEXT}\n")
+    return export_all(root / "target", root / "micro-chat", draft=root / "draft", config=root / "config.yaml",
                       progress=lambda msg: None)
 
 
@@ -267,7 +275,7 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "invalid_type"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": CONTEXT + 100}, 400, "max_tokens", "context_length_exceeded"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "stop": ["a"] * 40}, 400, "stop", "invalid_value"),
@@ -280,8 +288,8 @@ BAD = [
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": []}, 400, "prompt", "invalid_value"),
-    ({"model": MODEL, "prompt": "word " * 3000}, 400, "prompt", "context_length_exceeded"),
-    ({"model": MODEL, "prompt": [5] * 1100}, 400, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "word " * (3 * CONTEXT)}, 400, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": [5] * (CONTEXT + 100)}, 400, "prompt", "context_length_exceeded"),
 ]
 BAD_CHAT = [
     ({"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
