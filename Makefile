@@ -27,14 +27,17 @@ setup: $(VENV)/.stamp
 
 # The embedded default family: tokenizer, target, draft (cached by preset hash).
 family: setup
-	$(VPY) -m specdeploy.export.family --preset default --out $(FAMILY)
+	$(VPY) -m specdeploy.train.family --preset default --out $(FAMILY)
 
 # Medusa heads and the EAGLE head for the default target (each cached by its training spec).
 heads: family
-	$(VPY) -m specdeploy.export.medusa_train --family $(FAMILY) --preset default
-	$(VPY) -m specdeploy.export.eagle_train --family $(FAMILY) --preset default
+	$(VPY) -m specdeploy.train.medusa --family $(FAMILY) --preset default
+	$(VPY) -m specdeploy.train.eagle --family $(FAMILY) --preset default
 
-$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml $(wildcard export/*.py)
+# The exporter's code and the runtime modules it reads (config, manifest format, methods, graph plans).
+# train/ is left out on purpose: family.json and train.json stand for what it produced.
+$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml \
+  $(wildcard export/*.py runtime/config.py runtime/manifest.py runtime/methods.py runtime/drafters/eagle.py runtime/drafters/medusa.py)
 	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --medusa $(FAMILY)/medusa \
 	  --eagle $(FAMILY)/eagle --out $(EXPORT_DIR)
 

@@ -106,7 +106,7 @@ def cmd_tune_tree(args) -> int:
     if args.prompts is not None:
         texts = read_prompts_file(args.prompts)
     else:  # held-out stdlib functions: text the family never trained on
-        from .export.corpus import heldout_prompts
+        from .train.corpus import heldout_prompts
 
         texts = heldout_prompts(args.num_prompts, seed=1)
     result = tune(export, args.method, [export.tokenizer.encode(t) for t in texts], args.max_new_tokens,

@@ -1,6 +1,6 @@
 """The benchmark prompt sets, shipped as JSONL so every machine measures the same text.
 
-They are cut once from export/corpus.py (held-out stdlib functions) and committed:
+They are cut once from train/corpus.py (held-out stdlib functions) and committed:
 the stdlib differs between Python versions, the committed files do not.
 
     python -m specdeploy.bench.prompts      # regenerate bench/prompts/*.jsonl
@@ -45,7 +45,7 @@ def shipped_sets() -> dict[str, Path]:
 
 
 def regenerate(per_set: int = PER_SET) -> None:
-    from ..export import corpus  # only here: the corpus walks the stdlib
+    from ..train import corpus  # only here: the corpus walks the stdlib
 
     texts = {"code": corpus.heldout_prompts(per_set), "grounded": corpus.grounded_prompts(per_set)}
     for name, prompts in texts.items():

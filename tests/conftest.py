@@ -22,7 +22,7 @@ def run_cli(*args, timeout=300, env=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def micro_family() -> Path:
-    from specdeploy.export.family import build_family
+    from specdeploy.train.family import build_family
 
     out = BUILD / "family" / "micro"
     build_family("micro", out, progress=lambda msg: None)
@@ -45,7 +45,7 @@ def micro_export(micro_family, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def random_models(micro_family) -> dict[str, tuple[Path, Path]]:
     """Per architecture: (target, draft) random-init models sharing the micro tokenizer."""
-    from specdeploy.export.family import make_random_model
+    from specdeploy.train.family import make_random_model
 
     root = BUILD / "test_models"
     tok = micro_family / "tokenizer"

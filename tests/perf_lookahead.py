@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    from specdeploy.export import corpus
+    from specdeploy.train import corpus
     from specdeploy.runtime.export_dir import Export
 
     export = Export(args.export, threads=args.threads)

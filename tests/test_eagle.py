@@ -50,7 +50,7 @@ def _random_target(micro_family: Path, out: Path, layers: int) -> Path:
     """A random Llama with enough layers for EAGLE-3's three feature layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdeploy.export.tokenizer_train import copy_tokenizer
+    from specdeploy.train.tokenizer import copy_tokenizer
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -81,7 +81,7 @@ def _random_head(version: int, target_dir: Path, out: Path, fmt: str, seed: int,
 
 @pytest.fixture(scope="module")
 def trained_head(micro_family):
-    from specdeploy.export.eagle_train import build_eagle_head
+    from specdeploy.train.eagle import build_eagle_head
 
     meta = build_eagle_head(micro_family, "micro", progress=lambda m: None)
     return micro_family / "eagle", meta

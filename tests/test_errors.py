@@ -72,7 +72,7 @@ def test_weights_checksum_mismatch(broken_copy):
 
 
 def test_vocab_mismatch_between_draft_and_target(micro_family, tmp_path):
-    from specdeploy.export.family import make_random_model
+    from specdeploy.train.family import make_random_model
 
     other_tok = tmp_path / "tok"
     shutil.copytree(micro_family / "tokenizer", other_tok)

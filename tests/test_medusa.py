@@ -58,7 +58,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def trained_heads(micro_family):
-    from specdeploy.export.medusa_train import build_medusa_heads
+    from specdeploy.train.medusa import build_medusa_heads
 
     meta = build_medusa_heads(micro_family, "micro", progress=lambda m: None)
     return micro_family / "medusa", meta

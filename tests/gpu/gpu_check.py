@@ -133,7 +133,7 @@ def step_env():
 
 
 def step_family(work: Path, carried: Path | None):
-    from specdeploy.export.family import build_family
+    from specdeploy.train.family import build_family
 
     out = carried if carried and (carried / "family.json").is_file() else work / "family" / "micro"
     build_family("micro", out, progress=lambda msg: None)

@@ -12,8 +12,8 @@ continuations > more steps.
 The target is frozen, so its final hidden states and labels are computed once;
 each step only runs the heads.
 
-    python -m specdeploy.export.medusa_train --target DIR --out DIR --heads 4 [--steps N]
-    python -m specdeploy.export.medusa_train --family build/family/default --preset default   # cached
+    python -m specdeploy.train.medusa --target DIR --out DIR --heads 4 [--steps N]
+    python -m specdeploy.train.medusa --family build/family/default --preset default   # cached
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..export.draft_vocab import write_draft_vocab
+from ..export.hf_loading import load_causal_lm, read_hf_config
+from ..export.medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
 from ..runtime.errors import SpecDeployError
 from . import corpus
-from .distill_data import (greedy_continuations, target_tokenizer, token_stream, train_for_family,
-                           warmup_cosine_lr, windows)
-from .draft_vocab import write_draft_vocab
-from .hf_loading import load_causal_lm, read_hf_config
-from .medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
+from .distill import (greedy_continuations, random_windows, target_tokenizer, token_stream, train_for_family,
+                      warmup_cosine_lr)
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
@@ -77,14 +77,6 @@ PRESETS = {
 # ---------------------------------------------------------------- data
 
 
-
-
-
-
-
-
-
-
 @torch.no_grad()
 def _hidden(target, seqs: torch.Tensor, batch: int = 16, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's final hidden states (after the final norm) [N, L, H] float32 and its argmax tokens [N, L]."""
@@ -105,8 +97,6 @@ def _threads(most: int) -> int:
     for a descheduled peer make a busy 2-core machine ~10x slower than one thread."""
     free = (os.cpu_count() or 1) - os.getloadavg()[0]
     return max(1, min(most, int(free + 0.5)))
-
-
 
 
 def _sample_positions(n_seq: int, length: int, heads: int, batch: int, gen: torch.Generator):
@@ -188,10 +178,10 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
 
     length = spec.prompt_len + spec.gen_tokens
     train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 7), eos,
-                           (spec.gen_prompts + 8) * spec.prompt_len * 64)
+                                (spec.gen_prompts + 8) * spec.prompt_len * 64)
     heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos,
                                   (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
-    prompts = windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
+    prompts = random_windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
     generated = greedy_continuations(target, prompts, spec.gen_tokens, batch=64)
     progress(f"[medusa] {len(generated)} greedy continuations of {spec.gen_tokens} tokens "
              f"({time.perf_counter() - t0:.1f}s)")
@@ -202,8 +192,8 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     heads = new_heads(spec.heads, spec.layers, target.lm_head.weight, base_model=str(target_dir.resolve()))
     run = train_heads(heads, hidden, labels, spec, progress)
 
-    eval_text = windows(heldout_stream, spec.eval_windows, length, gen)
-    eval_gen = greedy_continuations(target, windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen),
+    eval_text = random_windows(heldout_stream, spec.eval_windows, length, gen)
+    eval_gen = greedy_continuations(target, random_windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen),
                                     spec.gen_tokens, batch=64)
     metrics = {
         "heldout_text": head_accuracy(heads, *_hidden(target, eval_text)),

@@ -1,13 +1,17 @@
-"""Training data and schedule shared by the head trainers (Medusa, EAGLE) on a frozen target.
+"""Training data and schedule shared by every trainer here: the family and the head trainers.
 
-Both self-distil: text windows of the train split plus the target's own greedy
-continuations of train-split prompts, tokenized with the target's tokenizer.
+All of them read windows of one token stream cut from the corpus and follow the same
+warm-up + cosine learning rate. The head trainers (Medusa, EAGLE) self-distil a frozen
+target: besides text windows they train on the target's own greedy continuations of
+train-split prompts, tokenized with the target's tokenizer, and cache their result per
+family (`train_for_family`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -24,24 +28,57 @@ def target_tokenizer(target_dir: Path):
     return Tokenizer.from_file(str(path))
 
 
-def token_stream(tok, texts, eos: int | None, max_tokens: int) -> torch.Tensor:
-    """Texts tokenized and joined (each followed by eos when the target has one), up to max_tokens."""
+def token_stream(tok, texts, eos: int | None, max_tokens: int | None = None, batch: int = 16) -> torch.Tensor:
+    """Texts tokenized (no special tokens added) and joined, each followed by `eos` when given,
+    as one int64 tensor of at most `max_tokens` tokens.
+
+    Texts are encoded `batch` at a time (the tokenizer runs a batch in parallel) and read
+    only until `max_tokens` is reached.
+    """
+    texts = iter(texts)
     ids: list[int] = []
-    for text in texts:
-        ids.extend(tok.encode(text, add_special_tokens=False).ids)
-        if eos is not None:
-            ids.append(eos)
-        if len(ids) >= max_tokens:
+    while chunk := list(islice(texts, batch)):
+        for enc in tok.encode_batch(chunk, add_special_tokens=False):
+            ids.extend(enc.ids)
+            if eos is not None:
+                ids.append(eos)
+        if max_tokens is not None and len(ids) >= max_tokens:
             break
     return torch.tensor(ids[:max_tokens], dtype=torch.int64)
 
 
-def windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """`count` random windows of `length` tokens: [count, length]."""
+def take_chars(texts, max_chars: int):
+    """Texts until about `max_chars` characters have been yielded (whole texts only)."""
+    seen = 0
+    for text in texts:
+        if seen >= max_chars:
+            return
+        seen += len(text)
+        yield text
+
+
+def random_windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """`count` windows of `length` tokens starting at random offsets: [count, length]."""
     if stream.numel() <= length:
         raise SpecDeployError(f"corpus too small: {stream.numel()} tokens for windows of {length}")
     starts = torch.randint(0, stream.numel() - length, (count,), generator=gen)
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def evenly_spaced_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    """`count` windows spread evenly over the stream (fixed, so every model is scored on the same)."""
+    if stream.numel() < count * length:
+        raise ValueError(f"held-out stream has {stream.numel()} tokens, need {count * length}")
+    stride = (stream.numel() - length) // max(count - 1, 1)
+    return torch.stack([stream[i * stride : i * stride + length] for i in range(count)])
+
+
+def warmup_cosine_lr(step: int, lr: float, warmup: int, steps: int, min_frac: float = 0.1) -> float:
+    """Linear warm-up, then cosine decay from `lr` down to `lr * min_frac`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(steps - warmup, 1)
+    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 @torch.no_grad()
@@ -53,14 +90,6 @@ def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int, batch: 
         out.append(target.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0))
     return torch.cat(out)
-
-
-def warmup_cosine_lr(step: int, lr: float, warmup: int, steps: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth of `lr`."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(steps - warmup, 1)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def _cached_training(out_dir: Path, train_hash: str, target_hash: str | None, required: list[str]) -> dict | None:

@@ -5,7 +5,7 @@ download, that behaves like a real pair (the target clearly more expensive, the
 draft agreeing with it often) and that is built within the `make export` budget
 on a small CPU. Steps:
 
-1. a byte-level BPE on the train split (`tokenizer_train`),
+1. a byte-level BPE on the train split (`tokenizer`),
 2. the target, trained with cross-entropy on random windows of the train split,
 3. the draft, distilled from the target's logits (KL, mixed with a little CE),
    which is what raises its top-1 agreement with the target,
@@ -16,7 +16,7 @@ Output (`out_dir`): tokenizer/, target/, draft/ (each a Hugging Face dir that
 written last and carries a hash of the preset, so a finished build is reused and
 an interrupted or outdated one is redone.
 
-    python -m specdeploy.export.family --preset default --out build/family/default
+    python -m specdeploy.train.family --preset default --out build/family/default
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -46,7 +45,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from . import corpus
-from .tokenizer_train import BOS_ID, EOS_ID, PAD_ID, copy_tokenizer, save_hf_tokenizer, train_bpe
+from .distill import evenly_spaced_windows, random_windows, take_chars, token_stream, warmup_cosine_lr
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID, copy_tokenizer, save_hf_tokenizer, train_bpe
 
 FAMILY_FORMAT = 1  # bump when the recipe changes in a way the preset hash cannot see
 Progress = Callable[[str], None]
@@ -180,50 +180,7 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# ---------------------------------------------------------------- data
-
-
-def token_stream(tok: Tokenizer, texts) -> torch.Tensor:
-    """All texts tokenized and joined, each file followed by </s>, as one int64 tensor."""
-    ids: list[int] = []
-    for enc in tok.encode_batch(list(texts)):
-        ids.extend(enc.ids)
-        ids.append(EOS_ID)
-    return torch.tensor(ids, dtype=torch.int64)
-
-
-def take_chars(texts, max_chars: int):
-    seen = 0
-    for text in texts:
-        if seen >= max_chars:
-            return
-        seen += len(text)
-        yield text
-
-
-def random_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """`batch` windows of `length` tokens starting at random offsets: [batch, length]."""
-    starts = torch.randint(0, stream.numel() - length, (batch,), generator=gen)
-    return torch.stack([stream[s : s + length] for s in starts.tolist()])
-
-
-def eval_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """`count` windows spread evenly over the stream (fixed, so every model sees the same)."""
-    if stream.numel() < count * length:
-        raise ValueError(f"held-out stream has {stream.numel()} tokens, need {count * length}")
-    stride = (stream.numel() - length) // max(count - 1, 1)
-    return torch.stack([stream[i * stride : i * stride + length] for i in range(count)])
-
-
 # ---------------------------------------------------------------- training
-
-
-def lr_at(step: int, spec: TrainSpec) -> float:
-    """Linear warmup, then cosine from lr down to lr * min_lr_frac."""
-    if step < spec.warmup:
-        return spec.lr * (step + 1) / spec.warmup
-    t = (step - spec.warmup) / max(spec.steps - spec.warmup, 1)
-    return spec.lr * (spec.min_lr_frac + (1 - spec.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def make_optimizer(model, spec: TrainSpec) -> torch.optim.Optimizer:
@@ -260,7 +217,7 @@ def train(model, stream: torch.Tensor, spec: TrainSpec, preset: Preset, label: s
     running = None
     for step in range(spec.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, spec)
+            group["lr"] = warmup_cosine_lr(step, spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
         window = random_windows(stream, spec.batch, preset.seq_len + 1, gen)
         inputs, labels = window[:, :-1], window[:, 1:]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=preset.bf16):
@@ -382,8 +339,10 @@ def _build(spec: Preset, out_dir: Path, say: Progress) -> dict:
     tokenizer_dir = save_hf_tokenizer(tok, out_dir / "tokenizer", spec.max_position_embeddings)
     vocab_size = tok.get_vocab_size()
 
-    train_stream = token_stream(tok, take_chars(corpus.iter_texts("train", shuffle_seed=spec.seed), spec.corpus_chars))
-    heldout = eval_windows(token_stream(tok, corpus.iter_texts("heldout")), spec.eval_windows, spec.seq_len + 1)
+    train_texts = take_chars(corpus.iter_texts("train", shuffle_seed=spec.seed), spec.corpus_chars)
+    train_stream = token_stream(tok, train_texts, EOS_ID)
+    heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), EOS_ID)
+    heldout = evenly_spaced_windows(heldout_stream, spec.eval_windows, spec.seq_len + 1)
     say(f"[family] corpus: {train_stream.numel():,} train tokens, {heldout.numel():,} held-out eval tokens "
         f"({time.perf_counter() - t0:.1f}s)")
 

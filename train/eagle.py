@@ -12,7 +12,7 @@ Training sequences mix windows of the train split and the target's own greedy
 continuations of train-split prompts (the text a greedy run actually drafts on).
 The target is frozen, so its features are computed once; steps run only the head.
 
-    python -m specdeploy.export.eagle_train --target DIR --out DIR [--steps N]
+    python -m specdeploy.train.eagle --target DIR --out DIR [--steps N]
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..export.draft_vocab import write_draft_vocab
+from ..export.eagle_heads import EagleHead, new_head, save_head
+from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..runtime.errors import SpecDeployError
 from . import corpus
-from .distill_data import (greedy_continuations, target_tokenizer, token_stream, train_for_family,
-                           warmup_cosine_lr, windows)
-from .draft_vocab import write_draft_vocab
-from .eagle_heads import EagleHead, new_head, save_head
-from .hf_loading import load_causal_lm, read_hf_config
+from .distill import (greedy_continuations, random_windows, target_tokenizer, token_stream, train_for_family,
+                      warmup_cosine_lr)
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
@@ -88,14 +88,6 @@ PRESETS = {
 # ---------------------------------------------------------------- data
 
 
-
-
-
-
-
-
-
-
 @torch.no_grad()
 def _features(target, seqs: torch.Tensor, bf16: bool, batch: int = 16) -> torch.Tensor:
     """The target's final hidden states (after its final norm): [N, L, H] float32."""
@@ -120,8 +112,6 @@ def head_predict(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor) -> to
     past = [torch.zeros(b, 0, head.num_kv_heads, head.head_dim)] * (2 * head.num_layers)
     pred, _ = head.step(seqs[:, 1:], feats[:, :-1], positions, causal, past)
     return pred
-
-
 
 
 def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: EagleTrainSpec,
@@ -193,11 +183,11 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     gen = torch.Generator().manual_seed(spec.seed)
     length = spec.seq_len
     train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 11), eos,
-                           (spec.data_windows + spec.gen_prompts + 8) * length * 4)
+                                (spec.data_windows + spec.gen_prompts + 8) * length * 4)
     heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos,
-                             (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
-    data = windows(train_stream, spec.data_windows, length, gen)
-    prompts = windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
+                                  (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    data = random_windows(train_stream, spec.data_windows, length, gen)
+    prompts = random_windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
     generated = greedy_continuations(target, prompts, spec.gen_tokens)
     seqs = torch.cat([data, generated])
     feats = _features(target, seqs, spec.bf16)
@@ -209,8 +199,8 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
         p.requires_grad_(False)
     run = train_head(head, seqs, feats, spec, progress)
 
-    eval_text = windows(heldout_stream, spec.eval_windows, length, gen)
-    heldout_starts = windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen)
+    eval_text = random_windows(heldout_stream, spec.eval_windows, length, gen)
+    heldout_starts = random_windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen)
     eval_greedy = greedy_continuations(target, heldout_starts, spec.gen_tokens)
     accuracy = {
         "heldout_text": head_accuracy(head, eval_text, _features(target, eval_text, False)),
