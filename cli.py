@@ -49,7 +49,12 @@ def cmd_generate(args) -> int:
     use_shared_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     export = Export(args.out, backend=args.backend, graphs=args.graphs)
-    ids = _ids(args.prompt_ids) if args.prompt_ids is not None else export.tokenizer.encode(args.prompt)
+    if args.system is not None and args.chat is None:
+        raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
+    if args.chat is not None:
+        ids = _chat_ids(export, args.chat, args.system)
+    else:
+        ids = _ids(args.prompt_ids) if args.prompt_ids is not None else export.tokenizer.encode(args.prompt)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
                      stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param))
     if args.json:
@@ -63,6 +68,17 @@ def cmd_generate(args) -> int:
         print(f"\n[{args.method}] {s['new_tokens']} tokens, acceptance length {s['acceptance_length']:.2f}, "
               f"{s['tokens_per_s']:.1f} tokens/s ({s['finish_reason']})", file=sys.stderr)
     return 0
+
+
+def _chat_ids(export, user: str, system: str | None) -> list[int]:
+    """A one-turn chat through the export's chat template (the renderer the server uses)."""
+    from .runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
+
+    template = ChatTemplate.from_tokenizer_dir(export.tokenizer.directory)
+    if template is None:
+        raise SpecDeployError("this export's tokenizer has no chat template (chat_template.jinja, chat_template.json "
+                              "or tokenizer_config.json 'chat_template'); use --prompt")
+    return encode_rendered(export.tokenizer, template.render(chat_messages(user, system)))
 
 
 def cmd_check(args) -> int:
@@ -147,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids")
+    src.add_argument("--chat", metavar="TEXT", help="a user message, rendered with the tokenizer's chat template")
+    g.add_argument("--system", metavar="TEXT", help="a system message before --chat")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -178,19 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.set_defaults(func=cmd_engines)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over an export")
-    s.add_argument("out", type=Path, help="export directory")
-    s.add_argument("--method", help="default method (a request may choose another with 'method'); default ar")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--pool-size", type=int, default=1, help="concurrent requests (one export instance each)")
-    s.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; beyond: 429")
-    s.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait; then 429")
-    s.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
-    s.add_argument("--threads", type=int, help="ONNX Runtime threads, one pool shared by all workers "
-                   "(default: the physical cores)")
-    s.add_argument("--model-name", help="model id clients use (default: the export directory's name)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    from .serve.main import add_serve_arguments  # options live beside the server (no serve extra needed)
+
+    add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tune-tree", help="calibrate a static draft tree for this export and backend")

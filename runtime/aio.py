@@ -114,7 +114,7 @@ class AsyncRequest:
                 self._put((_ERROR, exc))
         finally:
             req.close()
-            if started and self._on_finish is not None:  # only requests that got an instance
+            if (started or req.error is not None) and self._on_finish is not None:  # those that got an instance
                 try:
                     self._on_finish(req)
                 except Exception:  # observers must never take the worker down

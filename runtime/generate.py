@@ -52,6 +52,10 @@ def validate_request(export: Export, prompt_ids: list[int], max_new_tokens: int)
         )
 
 
+class _PrefillCancelled(Exception):
+    pass
+
+
 class Generation:
     """One request. Iterate for streamed tokens; call cancel() from any thread to stop it."""
 
@@ -84,10 +88,14 @@ class Generation:
         target, drafter, state = self.target, self.drafter, self.state
         target.reset()
         calls0, verify0 = target.calls, target.seconds
-        target.prefill(state.tokens[:-1], self.export.prefill_chunk, on_chunk=drafter.prefilled)
+        try:
+            target.prefill(state.tokens[:-1], self.export.prefill_chunk, on_chunk=self._prefilled)
+        except _PrefillCancelled:
+            self.finish_reason = "cancelled"
         self.stats["prefill_calls"] = target.calls - calls0
         self.stats["prefill_s"] = target.seconds - verify0
-        drafter.start(state)
+        if self.finish_reason is None:
+            drafter.start(state)
         kv0 = target.cache.bytes_copied
         while self.finish_reason is None:
             if self._cancelled:
@@ -126,6 +134,12 @@ class Generation:
             yield tail
         self.stats["kv_bytes_copied"] = target.cache.bytes_copied - kv0
         self._finish_stats(time.perf_counter() - t0)
+
+    def _prefilled(self, step) -> None:
+        """After each prefill chunk: a cancelled request stops here, not after the whole prompt."""
+        self.drafter.prefilled(step)
+        if self._cancelled:
+            raise _PrefillCancelled
 
     def _emit(self, tok: int) -> TokenEvent | None:
         self.new_ids.append(tok)

@@ -97,8 +97,11 @@ class Service:
     def request(self, prompt: str | None = None, prompt_ids: list[int] | None = None, *, method: str | None = None,
                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 seed: int | None = None, stop: list[str] | str | None = None, ignore_eos: bool = False,
-                timeout: float | None = None) -> "Request":
-        """A validated request that has not started yet (SpecDeployError on bad input)."""
+                timeout: float | None = None, request_id: str | None = None) -> "Request":
+        """A validated request that has not started yet (SpecDeployError on bad input).
+
+        `request_id` names it in logs and thread names (default: a random id).
+        """
         if (prompt is None) == (prompt_ids is None):
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
         if prompt is not None and not isinstance(prompt, str):
@@ -115,7 +118,8 @@ class Service:
             stop = [stop]
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
             raise SpecDeployError("stop must be a string or a list of strings")
-        return Request(self, ids, method, params, max_new_tokens, list(stop or []), bool(ignore_eos), timeout)
+        return Request(self, ids, method, params, max_new_tokens, list(stop or []), bool(ignore_eos), timeout,
+                       request_id)
 
     def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> "Request":
         """A started request: it holds an instance until iterated to the end, cancelled or closed."""
@@ -138,8 +142,9 @@ class Request:
     """One request: start() waits for an instance; iterate for TokenEvents; cancel() from any thread."""
 
     def __init__(self, service: Service, prompt_ids: list[int], method: str, params: SamplingParams,
-                 max_new_tokens: int, stop: list[str], ignore_eos: bool, timeout: float | None):
-        self.id = uuid.uuid4().hex
+                 max_new_tokens: int, stop: list[str], ignore_eos: bool, timeout: float | None,
+                 request_id: str | None = None):
+        self.id = request_id or uuid.uuid4().hex
         self.service, self.prompt_ids, self.method = service, prompt_ids, method
         self.params, self.max_new_tokens, self.stop, self.ignore_eos = params, max_new_tokens, stop, ignore_eos
         self.timeout = timeout
@@ -150,6 +155,7 @@ class Request:
         self._started = False
         self._in_step = False
         self._cancelled = False
+        self.error: BaseException | None = None  # what stopped a started request that failed
         self._created = time.perf_counter()
         self.queue_s = 0.0
         self._stats: dict = {}
@@ -172,7 +178,8 @@ class Request:
             try:
                 self._gen = Generation(export, self.prompt_ids, method=self.method, params=self.params,
                                        max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos)
-            except BaseException:
+            except BaseException as exc:
+                self.error = exc
                 self._release()
                 raise
         return True
@@ -191,6 +198,9 @@ class Request:
                     event = next(steps)
                 except StopIteration:
                     return
+                except BaseException as exc:
+                    self.error = exc
+                    raise
                 finally:
                     self._in_step = False
                 yield event
@@ -245,6 +255,8 @@ class Request:
 
     @property
     def finish_reason(self) -> str:
+        if self.error is not None:
+            return "error"
         if self._gen is not None and self._gen.finish_reason is not None:
             return self._gen.finish_reason
         return "cancelled" if self._cancelled else "length"

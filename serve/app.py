@@ -1,10 +1,13 @@
 """The FastAPI app: OpenAI-compatible endpoints over a runtime Service, plus /health and /metrics.
 
-Each generation runs in its own worker thread (runtime/aio.py), so the event loop only
-parses, validates and relays events. Admission is the Service's pool: a full queue, or a
-wait past the queue timeout, answers 429 before any response byte is sent. A client that
-goes away — while queued, while generating, or mid-stream — cancels its request, and its
-worker returns to the pool within one decode step.
+A generation request goes: admission (429 at once past `--max-concurrent-requests`, before
+any expensive work) -> JSON Content-Type (415) -> body, bounded in size and time -> parse
+and validate -> chat template (killable child process, time limit) and tokenization (both
+off the event loop) -> the Service's pool (its queue may still answer 429) -> a worker
+thread per generation (runtime/aio.py). A client that goes away — while queued, during
+prefill, while generating, mid-stream — cancels its request; so does the per-request
+deadline. Errors: 4xx when the request is at fault, 5xx (`internal_error`) when we are;
+a stream reports an error in-band and still ends with `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -12,62 +15,121 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..runtime.aio import AsyncRequest
+from ..runtime.chat_template import ChatTemplate, ChatTemplateError, encode_rendered
 from ..runtime.errors import SpecDeployError
 from ..runtime.pool import BusyError
-from .chat import ChatTemplate, message_dicts
-from .errors import ApiError, bad_request, busy, error_body
+from .admission import Admission, Admitted
+from .chat import message_dicts
+from .errors import ApiError, bad_request, busy, error_body, internal
+from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
 from .schemas import ChatRequest, CompletionRequest, parse_json, stop_strings, validate
+from .security import AccessGuardMiddleware, RequestIdMiddleware
+from .template_sandbox import TemplateFailure, TemplateSandbox, TemplateTimeout
 
 log = logging.getLogger("specdeploy.serve")
 
-MAX_BODY_BYTES = 1 << 20
-THREAD_TOKENIZE_CHARS = 16384  # longer prompts are tokenized off the event loop
+THREAD_PARSE_BYTES = 64 << 10  # larger bodies are parsed off the event loop
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
 
 
 class _ClientGone(Exception):
     pass
 
 
+class _Deadline:
+    """The per-request time limit: when it passes, the request's generation is cancelled."""
+
+    def __init__(self, seconds: float | None):
+        self.loop = asyncio.get_running_loop()
+        self.at = None if seconds is None else self.loop.time() + seconds
+        self.seconds = seconds
+        self.expired = False
+        self._timer = None
+
+    def watch(self, run: AsyncRequest) -> None:
+        if self.at is not None:
+            self._timer = self.loop.call_at(self.at, self._expire, run)
+
+    def _expire(self, run: AsyncRequest) -> None:
+        self.expired = True
+        run.cancel()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def error(self) -> ApiError:
+        return ApiError(504, f"the request did not finish within the server's {self.seconds:g} s limit "
+                        "(--request-timeout)", None, "deadline_exceeded")
+
+
 class Server:
-    """What the endpoints share: the service, its name, chat template and metrics."""
+    """What the endpoints share: the service, its name, limits, chat template and metrics."""
 
-    def __init__(self, service, model_name: str, chat_template: ChatTemplate | None, metrics: Metrics):
-        self.service, self.model_name, self.chat_template, self.metrics = service, model_name, chat_template, metrics
+    def __init__(self, service, model_name: str, chat: TemplateSandbox | None, metrics: Metrics,
+                 limits: ServeLimits):
+        self.service, self.model_name, self.chat, self.metrics = service, model_name, chat, metrics
+        self.limits = limits
+        self.model_len = limits.model_len(service.max_context)
+        self.admission = Admission(limits.concurrent(service.pool.size, service.pool.queue_size))
 
-    # -- request parsing ------------------------------------------------------------
+    # -- admission and request parsing -------------------------------------------------
+    def admit(self, request: Request) -> Admitted:
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise ApiError(415, "the request body must be JSON sent with 'Content-Type: application/json'",
+                           None, "unsupported_media_type")
+        admitted = None if self.service.pool.saturated() else self.admission.enter()
+        if admitted is None:
+            raise busy(f"server busy: {self.admission.active} requests in flight for {self.service.pool.size} "
+                       f"workers and a queue of {self.service.pool.queue_size}; retry later")
+        return admitted
+
     async def body(self, request: Request, schema):
+        limit = self.limits.max_body_bytes
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", None, "request_too_large")
-        raw, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", None, "request_too_large")
-            raw.append(chunk)
-        body = validate(schema, parse_json(b"".join(raw)))
+        if length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+        try:
+            raw = await asyncio.wait_for(self._read(request, limit), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                           None, "request_timeout") from None
+        data = await run_in_threadpool(parse_json, raw) if len(raw) > THREAD_PARSE_BYTES else parse_json(raw)
+        body = validate(schema, data)
         if body.model != self.model_name:
             raise ApiError(404, f"the model '{body.model}' does not exist (this server serves '{self.model_name}')",
                            "model", "model_not_found")
         return body
 
-    async def encode(self, text: str, special_tokens: bool = True) -> list[int]:
-        tok = self.service.tokenizer
-        fn = tok.encode if special_tokens else (lambda t: tok.tok.encode(t, add_special_tokens=False).ids)
-        return await run_in_threadpool(fn, text) if len(text) > THREAD_TOKENIZE_CHARS else fn(text)
+    @staticmethod
+    async def _read(request: Request, limit: int) -> bytes:
+        raw, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+            raw.append(chunk)
+        return b"".join(raw)
+
+    async def encode(self, text: str) -> list[int]:
+        return await run_in_threadpool(self.service.tokenizer.encode, text)
 
     async def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -85,98 +147,165 @@ class Server:
         raise bad_request("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
 
     async def chat_prompt(self, body: ChatRequest) -> list[int]:
-        if self.chat_template is None:
-            raise bad_request("this model's tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
-                              "use /v1/completions", "messages", "no_chat_template")
-        text = self.chat_template.render(message_dicts(body.messages))
-        return await self.encode(text, special_tokens=False)  # the template already holds BOS etc.
+        if self.chat is None:
+            raise bad_request("this model's tokenizer has no chat template (chat_template.jinja, chat_template.json "
+                              "or tokenizer_config.json 'chat_template'); use /v1/completions", "messages",
+                              "no_chat_template")
+        messages = message_dicts(body.messages)
+        try:
+            text = await run_in_threadpool(self.chat.render, messages)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+        except TemplateTimeout as exc:
+            raise internal(str(exc), "chat_template_timeout") from None
+        except TemplateFailure as exc:
+            raise internal(str(exc), "chat_template_failed") from None
+        return await run_in_threadpool(encode_rendered, self.service.tokenizer, text)
 
     def options(self, body, prompt_ids: list[int], max_tokens: int | None, default_max: int | None,
-                prompt_param: str) -> dict:
+                prompt_param: str, tokens_param: str) -> dict:
         svc = self.service
         method = body.method if body.method is not None else svc.default_method
         if method not in svc.methods:
             raise bad_request(svc.method_message(method), "method", "unknown_method")
         if not prompt_ids:
             raise bad_request("the prompt is empty", prompt_param)
-        ctx, n = svc.max_context, len(prompt_ids)
+        ctx, n, cap = self.model_len, len(prompt_ids), self.limits.max_tokens
         if n >= ctx:
             raise bad_request(f"this model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
                               "(it must leave room for at least one new token)", prompt_param, "context_length_exceeded")
         if max_tokens is None:
-            max_tokens = min(default_max or ctx, ctx - n)
+            max_tokens = min(default_max or ctx, ctx - n, cap or ctx)
+        elif cap is not None and max_tokens > cap:
+            raise bad_request(f"'{tokens_param}' is {max_tokens}; this server allows at most {cap} "
+                              "(--max-tokens)", tokens_param)
         elif n + max_tokens > ctx:
             raise bad_request(f"this model's maximum context length is {ctx} tokens; you requested {n + max_tokens} "
-                              f"({n} in the prompt, {max_tokens} for the completion)", "max_tokens",
+                              f"({n} in the prompt, {max_tokens} for the completion)", tokens_param,
                               "context_length_exceeded")
         return dict(prompt_ids=prompt_ids, method=method, max_new_tokens=max_tokens,
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
-                    stop=stop_strings(body.stop), ignore_eos=bool(body.ignore_eos))
+                    stop=stop_strings(body.stop, self.limits.max_stop, self.limits.max_stop_chars),
+                    ignore_eos=bool(body.ignore_eos))
 
     # -- running --------------------------------------------------------------------
-    async def generate(self, request: Request, body, options: dict, chat: bool):
+    async def handle(self, request: Request, chat: bool):
+        """One generation request from arrival to response; owns its admission until the response ends."""
         arrived = time.perf_counter()
+        admitted = self.admit(request)
+        deadline = _Deadline(self.limits.request_timeout_s)
         try:
-            req = self.service.request(**options)
-        except SpecDeployError as exc:
+            body = await self.body(request, REQUEST_BODIES[request.url.path])
+            if chat:
+                ids = await self.chat_prompt(body)
+                max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+                param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+                options = self.options(body, ids, max_tokens, None, "messages", param)
+            else:
+                options = self.options(body, await self.completion_prompt(body.prompt), body.max_tokens,
+                                       DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
+            run = self._run(request, options)
+            deadline.watch(run)
+            if not await self._start(request, run, deadline):
+                return Response(status_code=499)
+            shape = Shape(chat, self.model_name)
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                cleanup = _Cleanup(run, deadline, admitted)
+                admitted = None  # the stream owns it now
+                return StreamingResponse(self.stream(request, run, shape, include_usage, arrived, deadline, cleanup),
+                                         media_type="text/event-stream", background=BackgroundTask(cleanup),
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            try:
+                await _unless_disconnected(request, run.result(), run)
+            except _ClientGone:
+                return Response(status_code=499)
+            except Exception as exc:
+                raise self.failure(request, exc) from None
+            if deadline.expired:
+                raise deadline.error()
+            req = run.request
+            return JSONResponse(shape.response(req.text, req.finish_reason, self.usage(req), public_stats(req.stats)))
+        finally:
+            if admitted is not None:
+                deadline.stop()
+                admitted.release()
+
+    def _run(self, request: Request, options: dict) -> AsyncRequest:
+        try:
+            req = self.service.request(**options, request_id=request.state.request_id)
+        except SpecDeployError as exc:  # the server checked the same things; this is a last line
             raise bad_request(str(exc)) from None
-        if self.service.pool.saturated():  # refuse at once, without a worker thread
-            raise busy(_busy_message(self.service))
-        run = AsyncRequest(req, on_finish=self.metrics.observe_generation)
+        return AsyncRequest(req, on_finish=self.metrics.observe_generation)
+
+    async def _start(self, request: Request, run: AsyncRequest, deadline: _Deadline) -> bool:
+        """Wait for a worker; False if the client went away meanwhile."""
         try:
             started = await _unless_disconnected(request, run.start(), run)
-        except BusyError as exc:
-            raise busy(str(exc)) from None
         except _ClientGone:
-            return Response(status_code=499)
-        if not started:
-            return Response(status_code=499)
-        shape = Shape(chat, self.model_name)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return False
+        except Exception as exc:
+            raise self.failure(request, exc) from None
+        if not started and deadline.expired:
+            raise deadline.error()
+        return started
 
-            async def free_worker():  # runs once the response ends, also after a disconnect cancelled it
-                run.cancel()
+    def failure(self, request: Request, exc: Exception) -> ApiError:
+        """What to tell the client about an exception raised while queueing or generating."""
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, BusyError):
+            return busy(str(exc))
+        request_id = request.state.request_id
+        log.error("request %s: internal error while generating", request_id, exc_info=exc)
+        return internal(f"internal error while generating (request id {request_id}; details in the server log)")
 
-            return StreamingResponse(self.stream(run, shape, include_usage, request.url.path, arrived),
-                                     media_type="text/event-stream", background=BackgroundTask(free_worker),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def stream(self, request: Request, run: AsyncRequest, shape: Shape, include_usage: bool, arrived: float,
+                     deadline: _Deadline, cleanup: "_Cleanup"):
+        req, first, ended = run.request, True, False
         try:
-            await _unless_disconnected(request, run.result(), run)
-        except _ClientGone:
-            return Response(status_code=499)
-        except SpecDeployError as exc:
-            raise bad_request(str(exc)) from None
-        return JSONResponse(shape.response(req.text, req.finish_reason, self.usage(req), public_stats(req.stats)))
-
-    async def stream(self, run: AsyncRequest, shape: Shape, include_usage: bool, endpoint: str, arrived: float):
-        req, first = run.request, True
-        try:
-            if shape.chat:
-                yield shape.chunk(None, role=True)
-            async for batch in run.batches():  # one write per batch of ready tokens
-                pieces = [shape.chunk(event.text) for event in batch if event.text]
-                if pieces:
-                    if first:
-                        self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)  # queue included
-                        first = False
-                    yield "".join(pieces)
-            yield shape.chunk(None, req.finish_reason)
-            if include_usage:
-                yield shape.usage_chunk(self.usage(req), public_stats(req.stats))
+            try:
+                if shape.chat:
+                    yield shape.chunk(None, role=True)
+                async for batch in run.batches():  # one write per batch of ready tokens
+                    pieces = [shape.chunk(event.text) for event in batch if event.text]
+                    if pieces:
+                        if first:
+                            self.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - arrived)
+                            first = False
+                        yield "".join(pieces)
+                if deadline.expired:
+                    raise deadline.error()
+                yield shape.chunk(None, req.finish_reason)
+                if include_usage:
+                    yield shape.usage_chunk(self.usage(req), public_stats(req.stats))
+            except Exception as exc:  # headers are gone: report in-band, as OpenAI does, then end as usual
+                error = self.failure(request, exc)
+                request.state.outcome = error.status
+                yield sse(error.body())
+            ended = True
             yield DONE
-        except Exception as exc:  # headers are gone: report in-band, as OpenAI does
-            if not isinstance(exc, SpecDeployError):
-                log.exception("stream failed")
-            message = str(exc) if isinstance(exc, SpecDeployError) else "internal error while generating"
-            yield sse(error_body(400 if isinstance(exc, SpecDeployError) else 500, message))
         finally:  # client gone (the response task was cancelled) or done: free the worker either way
-            run.cancel()
+            if not ended:
+                request.state.outcome = 499
+            cleanup()
 
     @staticmethod
     def usage(req) -> dict:
         return usage(len(req.prompt_ids), len(req.token_ids))
+
+
+class _Cleanup:
+    """Ends a streamed request's hold on everything; safe to call twice (stream end and background task)."""
+
+    def __init__(self, run: AsyncRequest, deadline: _Deadline, admitted: Admitted):
+        self.run, self.deadline, self.admitted = run, deadline, admitted
+
+    def __call__(self) -> None:
+        self.run.cancel()
+        self.deadline.stop()
+        self.admitted.release()
 
 
 async def _unless_disconnected(request: Request, awaitable, run: AsyncRequest):
@@ -203,21 +332,51 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _busy_message(service) -> str:
-    p = service.pool
-    return f"server busy: all {p.size} workers are in use and the wait queue ({p.queue_size}) is full; retry later"
+def openapi_schema(app: FastAPI) -> dict:
+    """The app's OpenAPI document with the request bodies the endpoints validate by hand."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in REQUEST_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    return schema
 
 
-def create_app(service, model_name: str | None = None) -> FastAPI:
-    """The ASGI app for one loaded Service (see runtime/service.py)."""
+def create_app(service, model_name: str | None = None, limits: ServeLimits | None = None,
+               api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+    """The ASGI app for one loaded Service (see runtime/service.py).
+
+    `api_key`: required as `Authorization: Bearer KEY` on every path but /health.
+    `allowed_origins`: web origins that may call the API from a browser (CORS); none by default.
+    """
+    limits = limits or ServeLimits()
     manifest = service.meta.manifest
     name = model_name or Path(manifest.root).resolve().name
-    template = ChatTemplate.from_tokenizer_dir(manifest.root / manifest.tokenizer.get("dir", "tokenizer"))
+    tokenizer_dir = manifest.root / manifest.tokenizer.get("dir", "tokenizer")
+    has_template = ChatTemplate.from_tokenizer_dir(tokenizer_dir) is not None  # compiles it: fail at start-up
+    sandbox = TemplateSandbox(tokenizer_dir, limits.template_processes, limits.template_timeout_s) if has_template else None
     metrics = Metrics(service)
-    server = Server(service, name, template, metrics)
-    app = FastAPI(title="specdeploy", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    server = Server(service, name, sandbox, metrics, limits)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if sandbox is not None:
+            sandbox.close()
+
+    app = FastAPI(title="specdeploy", version="1", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
+    # Outermost first at run time: request id, CORS (answers preflights), metrics (counts refusals too), guard.
+    app.add_middleware(AccessGuardMiddleware, api_key=api_key, allowed_origins=list(allowed_origins or []))
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"], max_age=600)
+    app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -234,20 +393,31 @@ def create_app(service, model_name: str | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
-        log.error("internal error on %s", request.url.path, exc_info=exc)
-        return JSONResponse(error_body(500, "internal server error", None, "internal_error"), status_code=500)
+        request_id = request.scope.get("state", {}).get("request_id")
+        log.error("request %s: internal error on %s", request_id, request.url.path, exc_info=exc)
+        return internal(f"internal server error (request id {request_id}; details in the server log)").response()
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "chat_template": template is not None, **service.status()}
+        return {"status": "ok", "model": name, "chat_template": sandbox is not None, "max_model_len": server.model_len,
+                "in_flight": server.admission.active, "max_concurrent_requests": server.admission.limit,
+                **service.status()}
 
     @app.get("/metrics")
     async def metrics_endpoint():
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    document = []
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        if not document:
+            document.append(openapi_schema(app))
+        return document[0]
+
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": int(manifest.root.stat().st_mtime), "owned_by": "specdeploy",
-                "max_context": service.max_context, "methods": list(service.methods),
+                "max_context": server.model_len, "methods": list(service.methods),
                 "default_method": service.default_method}
 
     @app.get("/v1/models")
@@ -262,17 +432,10 @@ def create_app(service, model_name: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await server.body(request, CompletionRequest)
-        ids = await server.completion_prompt(body.prompt)
-        options = server.options(body, ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt")
-        return await server.generate(request, body, options, chat=False)
+        return await server.handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await server.body(request, ChatRequest)
-        ids = await server.chat_prompt(body)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        options = server.options(body, ids, max_tokens, None, "messages")
-        return await server.generate(request, body, options, chat=True)
+        return await server.handle(request, chat=True)
 
     return app

@@ -1,11 +1,19 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}, never a traceback."""
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}, never a traceback.
+
+4xx: the client's request is at fault; 5xx (type `internal_error`): ours. Messages never
+carry the server's absolute paths (an export's location, a tokenizer file): those are cut
+down to their last component before a message leaves the server.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+
 from fastapi.responses import JSONResponse
 
-TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
+TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
+_ABSOLUTE_PATH = re.compile(r"(?<![\w/.~-])/[^\s'\"`,;:()\[\]{}<>]+")
 
 
 class ApiError(Exception):
@@ -22,9 +30,23 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def error_type(status: int) -> str:
+    return "internal_error" if status >= 500 else TYPES.get(status, "invalid_request_error")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": strip_paths(message), "type": error_type(status), "param": param, "code": code}}
+
+
+def strip_paths(message: str) -> str:
+    """Absolute paths that exist on this machine (or whose folder does) -> their last component."""
+    def short(match: re.Match) -> str:
+        path = match.group(0).rstrip(".")
+        if path.count("/") < 2 or not (os.path.exists(path) or os.path.isdir(os.path.dirname(path))):
+            return match.group(0)  # "/v1/completions", "/s": not a file of ours
+        return os.path.basename(path) + match.group(0)[len(path):]
+
+    return _ABSOLUTE_PATH.sub(short, message)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
@@ -33,3 +55,7 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def busy(message: str) -> ApiError:
     return ApiError(429, message, None, "server_busy", headers={"Retry-After": "1"})
+
+
+def internal(message: str = "internal server error", code: str = "internal_error") -> ApiError:
+    return ApiError(500, message, None, code)

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import sys
+from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
+
+API_KEY_ENV = "SPECDEPLOY_API_KEY"
+CONNECTION_HEADROOM = 64  # connections beyond the admitted requests: /health, /metrics, refusals, keep-alive
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def run_server(args) -> int:
@@ -16,21 +32,73 @@ def run_server(args) -> int:
         raise SpecDeployError(f"the server needs the serve extra ({exc.name} is missing): "
                               "pip install 'specdeploy[serve]'") from None
     from ..runtime.service import Service
+    from .limits import ServeLimits
 
     if not 0 <= args.port <= 65535:
         raise SpecDeployError(f"--port must be in [0, 65535], got {args.port}")
+    limits = ServeLimits(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
+                         max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
+                         body_timeout_s=args.body_timeout,
+                         max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                         request_timeout_s=args.request_timeout or None, template_timeout_s=args.template_timeout)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
+    if "*" in origins:
+        raise SpecDeployError("--allowed-origins takes explicit origins (https://app.example.com), not '*'")
+    if not is_loopback(args.host) and not api_key:
+        print(f"warning: serving on {args.host}, beyond this machine, without an API key: anyone who can reach "
+              f"the port can run generations (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
     from ..runtime.backends import use_shared_threads
 
     use_shared_threads(args.threads)  # our own process: one pool for every worker's sessions
     service = Service.load(args.out, pool_size=args.pool_size, queue_size=args.queue,
                            queue_timeout=args.queue_timeout, backend=args.backend, threads=args.threads,
                            method=args.method)
-    app = create_app(service, model_name=args.model_name)
+    app = create_app(service, model_name=args.model_name, limits=limits, api_key=api_key, allowed_origins=origins)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    name = app.state.server.model_name
-    print(f"serving '{name}' from {args.out} on http://{args.host}:{args.port} "
+    server = app.state.server
+    print(f"serving '{server.model_name}' from {args.out} on http://{args.host}:{args.port} "
           f"(methods {', '.join(service.methods)}; default {service.default_method}; "
-          f"{service.pool.size} workers, queue {service.pool.queue_size})", flush=True)
+          f"{service.pool.size} workers, queue {service.pool.queue_size}, "
+          f"{server.admission.limit} requests in flight, context {server.model_len}; "
+          f"API key {'required' if api_key else 'not set'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5,
+                limit_concurrency=args.max_connections or server.admission.limit + CONNECTION_HEADROOM)
     return 0
+
+
+def add_serve_arguments(s) -> None:
+    """The `serve` subcommand's options (cli.py builds the parser)."""
+    s.add_argument("out", type=Path, help="export directory")
+    s.add_argument("--method", help="default method (a request may choose another with 'method'); default ar")
+    s.add_argument("--host", default="127.0.0.1", help="bind address; beyond loopback, set --api-key")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--pool-size", type=int, default=1, help="concurrent requests (one export instance each)")
+    s.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; beyond: 429")
+    s.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait; then 429")
+    s.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
+    s.add_argument("--threads", type=int, help="ONNX Runtime threads, one pool shared by all workers "
+                   "(default: the physical cores)")
+    s.add_argument("--model-name", help="model id clients use (default: the export directory's name)")
+    s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
+                   "prefer the variable: arguments show in process lists)")
+    s.add_argument("--allowed-origins", action="append", metavar="ORIGIN[,ORIGIN...]",
+                   help="web origins allowed to call the API from a browser (CORS); default none")
+    s.add_argument("--max-model-len", type=int, help="prompt + completion tokens (default and maximum: the "
+                   "export's max context)")
+    s.add_argument("--max-tokens", type=int, help="most completion tokens a request may ask for (default: what "
+                   "the context leaves)")
+    s.add_argument("--max-concurrent-requests", type=int, help="generation requests admitted at once, parsing "
+                   "and queued included; beyond: 429 (default: pool size + queue)")
+    s.add_argument("--max-connections", type=int, help="open HTTP connections; beyond: 503 "
+                   f"(default: max concurrent requests + {CONNECTION_HEADROOM})")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size; beyond: 413")
+    s.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body; then 408")
+    s.add_argument("--max-stop", type=int, default=16, help="stop strings per request")
+    s.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from arrival to the last token, queue included; then 504 (0: no limit)")
+    s.add_argument("--template-timeout", type=float, default=2.0, help="seconds to render one chat prompt")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--access-log", action="store_true", help="uvicorn's access log (request ids are logged anyway)")

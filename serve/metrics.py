@@ -16,7 +16,8 @@ class Metrics:
 
     def __init__(self, service):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("specdeploy_requests", "HTTP requests by endpoint and status code",
+        self.requests = Counter("specdeploy_requests", "HTTP requests by endpoint and outcome (the status code; "
+                                "a stream that failed after its headers counts with its error's status)",
                                 ["endpoint", "status"], registry=r)
         self.latency = Histogram("specdeploy_request_latency_seconds",
                                  "End-to-end latency of successful generation requests (to the last byte)",
@@ -55,7 +56,12 @@ class Metrics:
 
 
 class MetricsMiddleware:
-    """Counts every HTTP response by endpoint and status; times successful generation requests."""
+    """Counts every HTTP response by endpoint and outcome; times successful generation requests.
+
+    The outcome is the HTTP status, except for a stream that ended badly after its headers
+    went out as 200: the app records that outcome (an in-band error's status, or 499 when
+    the client went away) in `scope["state"]["outcome"]`.
+    """
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -66,6 +72,7 @@ class MetricsMiddleware:
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS or path.startswith("/v1/models/") else "other"
         endpoint = "/v1/models" if endpoint.startswith("/v1/models/") else endpoint
+        state = scope.setdefault("state", {})
         start = time.perf_counter()
         status = [500]
 
@@ -77,6 +84,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.metrics.requests.labels(endpoint, str(status[0])).inc()
-            if status[0] == 200 and endpoint in ("/v1/completions", "/v1/chat/completions"):
+            outcome = state.get("outcome") or status[0]
+            self.metrics.requests.labels(endpoint, str(outcome)).inc()
+            if outcome == 200 and endpoint in ("/v1/completions", "/v1/chat/completions"):
                 self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ApiError, bad_request
 
-MAX_STOP = 16  # OpenAI allows 4; a few more cost nothing here
+MAX_JSON_DEPTH = 64  # a real request nests 5 deep; deeper only costs recursion (and a RecursionError)
 
 
 class StreamOptions(BaseModel):
@@ -90,10 +90,30 @@ def parse_json(raw: bytes) -> Any:
     def no_constants(name):  # NaN / Infinity are not JSON
         raise ValueError(f"{name} is not valid JSON")
 
+    too_deep = bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json")
     try:
-        return json.loads(raw, parse_constant=no_constants)
+        data = json.loads(raw, parse_constant=no_constants)
+    except RecursionError:
+        raise too_deep from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        raise too_deep
+    return data
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Without recursion (the point is to refuse what recursion cannot handle)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def validate(model_cls: type[_Common], data: Any) -> _Common:
@@ -110,15 +130,19 @@ def validate(model_cls: type[_Common], data: Any) -> _Common:
     return body
 
 
-def stop_strings(stop: Any) -> list[str]:
+def stop_strings(stop: Any, max_count: int, max_chars: int) -> list[str]:
+    """The request's stop strings, within the server's limits (a long one holds back that much streamed text)."""
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise bad_request("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    if len(stop) > MAX_STOP:
-        raise bad_request(f"'stop' has {len(stop)} strings; at most {MAX_STOP} are allowed", "stop")
+    if len(stop) > max_count:
+        raise bad_request(f"'stop' has {len(stop)} strings; at most {max_count} are allowed", "stop")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > max_chars:
+        raise bad_request(f"a stop string has {longest} characters; at most {max_chars} are allowed", "stop")
     return [s for s in stop if s]
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,20 +25,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, export_dir: Path, *args: str, startup_timeout: float = 90.0):
+    def __init__(self, export_dir: Path, *args: str, startup_timeout: float = 90.0, env: dict | None = None,
+                 headers: dict | None = None):
+        """`env`: extra environment variables; `headers`: what the readiness probe sends (e.g. an API key)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"specdeploy-serve-{self.port}.log"
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "specdeploy.cli", "serve", str(export_dir), "--port", str(self.port),
                "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1, headers=headers).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -47,8 +53,8 @@ class ServerProcess:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
-    def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+    def metrics(self, headers: dict | None = None) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10, headers=headers).text
 
     def log(self) -> str:
         self._log.flush()
@@ -81,3 +87,48 @@ def metric_value(text: str, name: str, **labels) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def clone_export(src: Path, dst: Path) -> Path:
+    """A copy of an export that a test may change: graphs and weights hard-linked (never written in
+    place), manifest and tokenizer files copied."""
+    shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns("manifest.json", "tokenizer"))
+    shutil.copy(src / "manifest.json", dst / "manifest.json")
+    shutil.copytree(src / "tokenizer", dst / "tokenizer")
+    return dst
+
+
+def break_decode_graphs(export_dir: Path, first_bad_position: int) -> None:
+    """Make the target's one-token graphs fail inside ONNX Runtime from `first_bad_position` on.
+
+    A real run-time fault of the kind a broken export or accelerator produces: each graph keeps
+    its inputs and outputs but adds `logits += table[position_ids]` with a table that short, so a
+    later position is an out-of-bounds Gather. Prefill (larger graphs) and the first steps work.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    graphs = [g for g in manifest["graphs"].values()
+              if g.get("model") == "target" and g.get("kind") == "decoder" and g.get("tokens") == 1]
+    assert graphs, "the export has no one-token target graph"
+    for spec in graphs:
+        path = export_dir / spec["file"]
+        model = onnx.load(str(path), load_external_data=False)
+        graph = model.graph
+        for node in graph.node:
+            node.output[:] = ["logits_unchecked" if name == "logits" else name for name in node.output]
+        table = helper.make_tensor("position_table", TensorProto.FLOAT, [first_bad_position],
+                                   [0.0] * first_bad_position)
+        axes = helper.make_tensor("position_axes", TensorProto.INT64, [1], [2])
+        graph.initializer.extend([table, axes])
+        graph.node.extend([
+            helper.make_node("Gather", ["position_table", "position_ids"], ["position_bias"]),
+            helper.make_node("Unsqueeze", ["position_bias", "position_axes"], ["position_bias3"]),
+            helper.make_node("Add", ["logits_unchecked", "position_bias3"], ["logits"]),
+        ])
+        path.unlink()  # a hard link: never write through it
+        onnx.save(model, str(path))
+        if spec["file"] in manifest.get("files", {}):
+            manifest["files"][spec["file"]] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (export_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))

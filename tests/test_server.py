@@ -341,7 +341,8 @@ def test_http_level_errors(server):
     _check_error(httpx.get(f"{server.url}/v1/nothing"), 404, None, "not_found")
     _check_error(httpx.get(f"{server.url}/v1/completions"), 405, None, "method_not_allowed")
     big = b'{"model": "x", "prompt": "' + b"a" * (2 << 20) + b'"}'
-    _check_error(httpx.post(f"{server.url}/v1/completions", content=big, timeout=30), 413, None, "request_too_large")
+    _check_error(httpx.post(f"{server.url}/v1/completions", content=big, timeout=30,
+                            headers={"content-type": "application/json"}), 413, None, "request_too_large")
     assert server.health()["status"] == "ok"
 
 
@@ -384,6 +385,11 @@ def test_full_queue_is_429_and_disconnects_free_their_place(tight_server):
             call()
         assert err.value.status_code == 429 and err.value.body["code"] == "server_busy"
         assert err.value.response.headers.get("retry-after")
+    # D: pool and queue are full, so it is refused before its body is even read
+    with socket.create_connection(("127.0.0.1", tight_server.port), timeout=10) as unsent:
+        unsent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n")
+        assert unsent.recv(4096).startswith(b"HTTP/1.1 429")
     queued.close()  # B goes away while queued: its place is freed, it never runs
     _wait_for(lambda: tight_server.health()["waiting"] == 0)
     stream.close()  # A goes away mid-stream: its worker is freed
@@ -394,8 +400,9 @@ def test_full_queue_is_429_and_disconnects_free_their_place(tight_server):
     assert delta("specdeploy_generations_total") == 1  # A only: B never got a worker
     assert delta("specdeploy_generations_total", finish_reason="cancelled") == 1
     assert delta("specdeploy_generated_tokens_total") < LONG  # A really stopped early
-    assert delta("specdeploy_requests_total", status="429") == 2
-    assert delta("specdeploy_requests_total", status="499") == 1  # B, "client closed request"
+    assert delta("specdeploy_requests_total", status="429") == 3
+    assert delta("specdeploy_requests_total", status="499") == 2  # A and B: "client closed request"
+    assert delta("specdeploy_request_latency_seconds_count") == 0  # neither finished
     resp = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0)
     assert resp.usage.completion_tokens == 4
 
@@ -410,6 +417,44 @@ def test_disconnect_of_a_non_streaming_request_frees_the_worker(tight_server):
     assert metric_value(tight_server.metrics(), "specdeploy_generations_total",
                         finish_reason="cancelled") == cancelled0 + 1
     assert make_client(tight_server).completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
+
+
+def test_disconnect_during_prefill_frees_the_worker(tight_server):
+    """A near-full-context prompt: its client gives up during prefill, and the worker does not finish it."""
+    client = make_client(tight_server)
+    _wait_idle(tight_server)
+    prompt = [5 + i % 97 for i in range(LONG)]
+    t0 = time.monotonic()
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    whole_prefill = time.monotonic() - t0
+    assert whole_prefill > 0.5, "the prompt is too short to tell a cancelled prefill from a finished one"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tight_server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.1))
+    t1 = time.monotonic()
+    _wait_idle(tight_server)
+    assert time.monotonic() - t1 < whole_prefill / 2
+
+
+@pytest.fixture(scope="module")
+def deadline_server(chat_export):
+    with ServerProcess(chat_export, "--pool-size", "1", "--request-timeout", "0.5") as srv:
+        yield srv
+
+
+def test_request_deadline(deadline_server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    resp = httpx.post(f"{deadline_server.url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 504 and time.monotonic() - t0 < 5
+    assert resp.json()["error"]["code"] == "deadline_exceeded" and resp.json()["error"]["type"] == "internal_error"
+    with httpx.stream("POST", f"{deadline_server.url}/v1/completions", json={**body, "stream": True},
+                      timeout=30) as stream:
+        events = [line for line in stream.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "deadline_exceeded"
+    _wait_idle(deadline_server)
+    assert httpx.post(f"{deadline_server.url}/v1/completions", json={**body, "max_tokens": 4},
+                      timeout=30).status_code == 200
 
 
 # ------------------------------------------------------------------------------ observability and load

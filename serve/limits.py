@@ -1,0 +1,46 @@
+"""What one server accepts: sizes, counts and times, set by `specdeploy serve` options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..runtime.errors import SpecDeployError
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    max_model_len: int | None = None  # prompt + completion tokens; None: the export's max_context
+    max_tokens: int | None = None  # completion tokens per request; None: what the context leaves
+    max_concurrent_requests: int | None = None  # generation requests admitted at once; None: workers + queue
+    max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # to receive the whole body
+    max_stop: int = 16  # stop strings per request (OpenAI allows 4)
+    max_stop_chars: int = 256  # a stop string's length: text that may still become one is held back
+    request_timeout_s: float | None = 600.0  # arrival to last token, queue included; None: no deadline
+    template_timeout_s: float = 2.0  # rendering one chat prompt
+    template_processes: int = 2
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_tokens", "max_concurrent_requests"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SpecDeployError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        for name in ("max_body_bytes", "max_stop", "max_stop_chars", "template_processes"):
+            if getattr(self, name) < 1:
+                raise SpecDeployError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("body_timeout_s", "request_timeout_s", "template_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise SpecDeployError(f"{name.replace('_', '-')} must be > 0 seconds, got {value!r}")
+
+    def model_len(self, max_context: int) -> int:
+        """The context a request may use; more than the export holds is refused at start-up."""
+        if self.max_model_len is None:
+            return max_context
+        if self.max_model_len > max_context:
+            raise SpecDeployError(f"--max-model-len {self.max_model_len} is over the export's max context "
+                                  f"({max_context} tokens)")
+        return self.max_model_len
+
+    def concurrent(self, pool_size: int, queue_size: int) -> int:
+        return self.max_concurrent_requests or pool_size + queue_size
