@@ -267,6 +267,7 @@ def convert(out: Path, layers: int | None = None, wheel: Path | None = None, ggu
     with _build_lock(out):
         if is_current(out, layers):  # another process finished it while we waited
             return out
+        _remove_leftovers(out)
         start = time.perf_counter()
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
@@ -299,6 +300,13 @@ def _build_lock(out: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Staging dirs of a run that was killed (a normal failure removes its own); we hold the lock."""
+    for path in out.parent.glob(f".{out.name}.*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _replace_dir(new: Path, out: Path) -> None:
