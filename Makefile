@@ -41,10 +41,11 @@ heads: family
 	$(VPY) -m specdeploy.train.medusa --family $(FAMILY) --preset default
 	$(VPY) -m specdeploy.train.eagle --family $(FAMILY) --preset default
 
-# The exporter's code and the runtime modules it reads (config, manifest format, methods, graph plans).
+# The exporter's code and the runtime modules it reads (configs and their defaults, manifest format,
+# methods, graph plans).
 # train/ is left out on purpose: family.json and train.json stand for what it produced.
 $(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml \
-  $(wildcard export/*.py runtime/config.py runtime/manifest.py runtime/methods.py runtime/drafters/eagle.py runtime/drafters/medusa.py)
+  $(wildcard export/*.py runtime/config.py runtime/manifest.py runtime/methods.py runtime/method_spec.py runtime/tree_files.py runtime/drafters/*.py)
 	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --medusa $(FAMILY)/medusa \
 	  --eagle $(FAMILY)/eagle --out $(EXPORT_DIR)
 

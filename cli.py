@@ -19,17 +19,31 @@ def _ids(text: str) -> list[int]:
 
 
 def _method_params(items: list[str] | None) -> dict:
-    """`--param k=8 --param max_ngram=2` -> {"k": 8, "max_ngram": 2} (the method validates them)."""
+    """`--param k=8 --param mode=eagle1` -> {"k": 8, "mode": "eagle1"}: values read as YAML, as in a
+    config file (the method's config validates them)."""
+    import yaml
+
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise SpecDeployError(f"--param expects KEY=VALUE, got {item!r}")
         try:
-            out[key.strip()] = int(value)
-        except ValueError:
-            raise SpecDeployError(f"--param {key.strip()}: expected an integer, got {value!r}") from None
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise SpecDeployError(f"--param {key.strip()}: {value!r} is not a YAML value") from None
     return out
+
+
+def _method_settings() -> str:
+    """Each method's config keys, for --param's help (from the registry)."""
+    from dataclasses import fields
+
+    from .runtime.methods import REGISTRY
+
+    keys = {name: [f.name for f in fields(spec.config) if not f.metadata.get("derived")]
+            for name, spec in REGISTRY.items()}
+    return "; ".join(f"{name}: {', '.join(k)}" for name, k in keys.items() if k)
 
 
 def cmd_export(args) -> int:
@@ -140,6 +154,8 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .runtime.methods import known_methods, tunable_methods
+
     p = argparse.ArgumentParser(prog="specdeploy", description="Speculative decoding: export, check, generate.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -151,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tree", help="Medusa tree: a name in configs/trees/ or a .json file (default: the config's)")
     e.add_argument("--out", required=True, type=Path)
     e.add_argument("--dtype", default="float32", choices=["float32", "float16"])
-    e.add_argument("--config", type=Path, help="YAML overriding configs/default.yaml")
+    e.add_argument("--config", type=Path, help="YAML overriding the defaults (max_context, prefill_chunk, "
+                   "methods.NAME.KEY; see configs/default.yaml)")
     e.add_argument("--no-check", action="store_true", help="skip the polygraphy check after export")
     e.add_argument("--no-fused", action="store_true",
                    help="skip the ORT-CPU fused decoder graphs (only the portable ones, as TensorRT uses)")
@@ -159,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from an export")
     g.add_argument("out", type=Path, help="export directory")
-    g.add_argument("--method", default="ar")
+    g.add_argument("--method", default="ar", help=f"{' | '.join(known_methods())} (default ar)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids")
@@ -173,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--param", action="append", metavar="KEY=VALUE",
-                   help="override a method parameter of the export's config, e.g. --param max_ngram=2 (repeatable)")
+                   help="override a setting of the method's exported config, e.g. --param max_ngram=2 (repeatable; "
+                   f"values as in YAML). Keys: {_method_settings()}")
     g.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
     g.add_argument("--threads", type=int, help="ONNX Runtime threads (default: the physical cores)")
     g.add_argument("--graphs", default="auto", choices=["auto", "fused", "portable"],
@@ -203,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune-tree", help="calibrate a static draft tree for this export and backend")
     t.add_argument("export", type=Path, help="export directory")
-    t.add_argument("--method", default="medusa")
+    t.add_argument("--method", default="medusa", help=f"{' | '.join(tunable_methods())} (default medusa)")
     t.add_argument("--prompts", type=Path, help="calibration prompts: .json list of strings or .jsonl "
                    "(default: held-out stdlib functions)")
     t.add_argument("--num-prompts", type=int, default=16, help="default prompts to use (without --prompts)")

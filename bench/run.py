@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
+from ..runtime.config import to_dict
 from ..runtime.errors import SpecDeployError
 from . import machine
 from . import peers as peerlib
@@ -134,11 +135,12 @@ def _source(export, model: str) -> Path | None:
 
 
 def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_dirs: dict) -> dict:
-    params = export.methods.get(method) or {}
-    if system != "specdeploy" and not params:  # a peer of a method the export lacks: our defaults
-        from ..runtime.methods import validate_methods
+    from ..runtime.methods import default_config
 
-        params = validate_methods({method: {}})[method]
+    config = export.methods.get(method)
+    if config is None and system != "specdeploy":  # a peer of a method the export lacks: our defaults
+        config = default_config(method)
+    params = to_dict(config) if config is not None else {}
     setup = {"system": system, "method": method, "threads": opts.threads, "method_params": params,
              "ort_spinning": opts.ort_spinning,
              "export": str(opts.export), "target": str(_source(export, "target")),
@@ -314,7 +316,8 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                                                              for k, v in opts.prompt_files.items()},
                  "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature, "greedy": greedy,
                  "ignore_eos": True, "repeats": opts.repeats, "warmup": 1, "statistic": "median of repeats per prompt",
-                 "threads": opts.threads, "ort_spinning": opts.ort_spinning, "reference": ref_label, "methods": export.methods,
+                 "threads": opts.threads, "ort_spinning": opts.ort_spinning, "reference": ref_label,
+                 "methods": {name: to_dict(config) for name, config in export.methods.items()},
                  "versions": _versions()},
         "machine": info, "limit": limit, "results": results, "skipped": skipped, "per_prompt": per_prompt,
     }

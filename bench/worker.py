@@ -17,6 +17,7 @@ class Specdeploy:
 
     def __init__(self, setup: dict):
         from ..runtime.backends import thread_pool_mode, use_per_session_threads, use_shared_threads
+        from ..runtime.config import to_dict
         from ..runtime.export_dir import Export
 
         if setup.get("ort_spinning") == "off":  # every session gets its own pool, which sleeps when idle
@@ -25,9 +26,9 @@ class Specdeploy:
             use_shared_threads(setup["threads"])
         self.export = Export(setup["export"], backend="ort-cpu", threads=setup["threads"])
         self.method = setup["method"]
-        self.export.method_params(self.method)  # not exported -> a clear error now, not mid-run
+        config = self.export.method_config(self.method)  # not exported -> a clear error now, not mid-run
         target = self.export.decoder("target")
-        self.info = {"method_params": self.export.methods[self.method], "thread_pool": thread_pool_mode(),
+        self.info = {"method_params": to_dict(config), "thread_pool": thread_pool_mode(),
                      "graphs": "fused" if target.fused else "portable"}
 
     def run(self, req: dict):

@@ -5,12 +5,12 @@
   TensorRT 11): precision is whatever the export's tensors say, so a float16
   export gives a float16 engine and a float32 export stays float32 (TF32 is
   cleared so float32 engines match ONNX Runtime within float32 tolerances).
-* Profile: engines/profiles.py (T fixed, past length 0..max_context-T).
+* Profile: runtime/backends/trt_profiles.py (T fixed, past length 0..max_context-T).
 * Timing cache: OUT/engines/timing.cache (or --timing-cache), loaded before and
   saved after every engine, so rebuilding one graph, or a sibling export on the
   same GPU, skips most kernel timing.
-* Bookkeeping: OUT/engines.json (engines/engine_manifest.py). Fresh engines are
-  kept; missing or stale ones are (re)built with the reason printed; --rebuild
+* Bookkeeping: OUT/engines.json (engines/engine_manifest.py writes it,
+  runtime/backends/engine_records.py reads it). Fresh engines are kept; missing or stale ones are (re)built with the reason printed; --rebuild
   rebuilds everything; --no-rebuild turns a missing or stale engine into an error.
   The "trt" runtime backend never rebuilds: it refuses stale engines.
 
@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.backends.engine_records import ENGINE_DIR, engine_rel, file_digests, load_engines, stale_reasons
+from ..runtime.backends.trt_profiles import NoProfile, graph_profile, profile_json
 from ..runtime.errors import SpecDeployError
 from ..runtime.manifest import load_manifest
-from .engine_manifest import (ENGINE_DIR, atomic_write, engine_rel, file_digests, graph_sources, load_engines,
-                              make_record, save_engines, stale_reasons)
-from .profiles import NoProfile, graph_profile, profile_json
+from .engine_manifest import atomic_write, graph_sources, make_record, save_engines
 
 TIMING_CACHE = f"{ENGINE_DIR}/timing.cache"
 
@@ -43,7 +43,7 @@ class BuildResult:
 
 def skip_reason() -> str | None:
     """Why engines cannot be built here (None: TensorRT and a GPU are present)."""
-    from ..runtime.trt_backend import unavailable_reason
+    from ..runtime.backends.trt import unavailable_reason
 
     return unavailable_reason()
 
@@ -128,7 +128,7 @@ def build_engines(export_dir: str | Path, rebuild: bool = False, workspace_gb: f
         raise SpecDeployError(f"cannot build TensorRT engines: {reason}")
     import tensorrt as trt
 
-    from ..runtime.trt_backend import gpu_identity, trt_logger
+    from ..runtime.backends.trt import gpu_identity, trt_logger
 
     manifest = load_manifest(export_dir)
     root = manifest.root

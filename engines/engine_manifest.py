@@ -1,18 +1,7 @@
-"""OUT/engines.json: which engine was built from what, and whether it is still valid.
+"""OUT/engines.json, written: the builder's records (their format and the staleness rules
+are runtime/backends/engine_records.py's, which the "trt" backend reads them with).
 
-Pure logic (no tensorrt import): the builder writes records, the "trt" runtime
-backend and the tests read them. One record per graph:
-
-    {"file": "engines/target_t1.engine", "bytes": N, "sha256": "...",
-     "sources": {"target_t1.onnx": "<sha256>", "weights/target.bin": "<sha256>"},
-     "dtype": "float16", "tokens": 1, "profile": {"past_key.0": {"min": [...], "opt": [...], "max": [...]}, ...},
-     "tensorrt": "10.13.0", "gpu": "NVIDIA H200", "compute_capability": "9.0",
-     "built_in_s": 41.2, "workspace_gb": null}
-
-An engine is stale when its file is gone or changed, when the ONNX graph or any
-weights file it was built from changed, or when this machine's TensorRT version
-or GPU differs from the one it was built with (serialized engines are not
-portable across either).
+Pure logic (no tensorrt import).
 """
 
 from __future__ import annotations
@@ -20,33 +9,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
-from ..runtime.errors import SpecDeployError
-from ..runtime.manifest import Manifest, sha256_file
-
-ENGINES_JSON = "engines.json"
-ENGINE_DIR = "engines"
-FORMAT = 1
-
-
-def engine_rel(graph: str) -> str:
-    return f"{ENGINE_DIR}/{graph}.engine"
-
-
-def load_engines(root: str | Path) -> dict:
-    path = Path(root) / ENGINES_JSON
-    if not path.is_file():
-        return {"format": FORMAT, "engines": {}}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpecDeployError(f"{path} is not valid JSON ({exc}); delete it and run `specdeploy engines` again") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("engines"), dict):
-        raise SpecDeployError(f"{path} is not an engine manifest of format {FORMAT}; "
-                              "delete it and run `specdeploy engines` again")
-    return data
+from ..runtime.backends.engine_records import ENGINES_JSON, engine_rel, file_digests, load_engines, stale_reasons
+from ..runtime.manifest import Manifest
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -96,50 +62,6 @@ def graph_sources(manifest: Manifest, graph: str) -> list[str]:
         rels = [r for r in manifest.files if r.startswith("weights/")]
     parent = Path(g.file).parent
     return [g.file] + [(parent / r).as_posix() for r in rels]
-
-
-def file_digests(root: Path) -> Callable[[str], str]:
-    """sha256 of files under root, each hashed once per call site."""
-    cache: dict[str, str] = {}
-
-    def digest(rel: str) -> str:
-        if rel not in cache:
-            cache[rel] = sha256_file(root / rel)
-        return cache[rel]
-
-    return digest
-
-
-def stale_reasons(root: str | Path, record: dict, digest: Callable[[str], str], tensorrt: str | None = None,
-                  gpu: str | None = None, compute_capability: str | None = None,
-                  verify_engine: bool = False) -> list[str]:
-    """Why the engine `record` must not be used (empty: it is fresh).
-
-    `digest(rel)` gives the current sha256 of a source file; the TensorRT version
-    and GPU are compared only when given (they are unknown without TensorRT).
-    """
-    root = Path(root)
-    why = []
-    engine = root / record.get("file", "")
-    if not record.get("file") or not engine.is_file():
-        return [f"engine file {record.get('file')} is missing"]
-    if engine.stat().st_size != record.get("bytes") or (verify_engine and sha256_file(engine) != record.get("sha256")):
-        why.append(f"engine file {record['file']} changed since it was built")
-    for rel, sha in sorted(record.get("sources", {}).items()):
-        if not (root / rel).is_file():
-            why.append(f"{rel} is missing")
-        elif digest(rel) != sha:
-            why.append(f"{rel} changed since the engine was built")
-    if not record.get("sources"):
-        why.append("the record lists no source files")
-    if tensorrt is not None and record.get("tensorrt") != tensorrt:
-        why.append(f"built with TensorRT {record.get('tensorrt')}, this is TensorRT {tensorrt}")
-    if compute_capability is not None and record.get("compute_capability") != compute_capability:
-        why.append(f"built for {record.get('gpu')} (compute {record.get('compute_capability')}), "
-                   f"this GPU is {gpu} (compute {compute_capability})")
-    elif gpu is not None and record.get("gpu") != gpu:
-        why.append(f"built on {record.get('gpu')}, this GPU is {gpu}")
-    return why
 
 
 def engine_status(manifest: Manifest, **here) -> dict[str, list[str]]:

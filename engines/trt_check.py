@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.backends.trt_profiles import NoProfile
 from ..runtime.errors import SpecDeployError
-from .profiles import NoProfile
+from ..runtime.graph_contract import is_past
 
 CHECK_DIR = "check"  # where the exporter saved the reference feeds (export/reference.py)
 # Per exported dtype: (atol, rtol) of TensorRT vs ONNX Runtime CPU. TF32 is off in
@@ -53,8 +54,8 @@ def _feeds(onnx_path: Path) -> list[dict] | None:
     if not path.is_file():
         return None
     feeds = list(load_json(str(path)))
-    empty = {k: (v[:, :0] if k.startswith(("past_key.", "past_value.")) else v) for k, v in feeds[0].items()}
-    if any(k.startswith("past_key.") for k in empty):
+    empty = {k: (v[:, :0] if is_past(k) else v) for k, v in feeds[0].items()}
+    if any(is_past(k) for k in empty):
         feeds.append(empty)
     return feeds
 
@@ -63,9 +64,9 @@ def _engine_bytes(manifest, graph) -> tuple[bytes, str]:
     """The fresh built engine if there is one, else a new in-memory build."""
     import tensorrt as trt
 
-    from ..runtime.trt_backend import gpu_identity, trt_logger
+    from ..runtime.backends.engine_records import file_digests, load_engines, stale_reasons
+    from ..runtime.backends.trt import gpu_identity, trt_logger
     from .builder import TIMING_CACHE, TimingCache, build_engine
-    from .engine_manifest import file_digests, load_engines, stale_reasons
 
     record = load_engines(manifest.root)["engines"].get(graph.name)
     here = {"tensorrt": trt.__version__, **gpu_identity()}

@@ -11,11 +11,14 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
+from ..runtime.graph_contract import KVGeometry
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class DecoderGraph(torch.nn.Module):
-    """forward(input_ids, position_ids, tree_mask, *past) -> logits, hidden, *presents.
+    """forward(input_ids, position_ids, tree_mask, *past) -> logits, hidden, *presents
+    (runtime/graph_contract.decoder_io names them).
 
     past and presents alternate key/value per layer, each [1, len, kv_heads, head_dim]
     (sequence-major so the runtime can feed a prefix of its cache buffer without a copy).
@@ -26,10 +29,8 @@ class DecoderGraph(torch.nn.Module):
     def __init__(self, causal_lm: torch.nn.Module, extra_feature_layers: tuple[int, ...] = ()):
         super().__init__()
         self.lm = causal_lm
-        cfg = causal_lm.config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        geometry = KVGeometry.from_config(causal_lm.config)
+        self.num_heads, self.num_kv_heads, self.head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         self.extra_feature_layers = tuple(extra_feature_layers)
 
     def _attention(self, layer, x, cos, sin, past_k, past_v, tree_mask):
@@ -74,11 +75,3 @@ class DecoderGraph(torch.nn.Module):
             outs.append(torch.cat(features, -1))
         return (*outs, *presents)
 
-
-def graph_io_names(num_layers: int, with_features: bool = False) -> tuple[list[str], list[str]]:
-    inputs = ["input_ids", "position_ids", "tree_mask"]
-    outputs = ["logits", "hidden"] + (["features"] if with_features else [])
-    for i in range(num_layers):
-        inputs += [f"past_key.{i}", f"past_value.{i}"]
-        outputs += [f"present_key.{i}", f"present_value.{i}"]
-    return inputs, outputs

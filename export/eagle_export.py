@@ -1,8 +1,8 @@
 """EAGLE head -> static-T `eagle_draft` graphs with their own KV cache (I/O: runtime/drafters/eagle_head.py).
 
-Hooked into export_all through `extra_models`; the target's verify graph size comes
-from VERIFY_TOKENS["eagle"], and EAGLE-3 makes the target graphs output the three
-feature layers (`target_feature_layers`).
+Hooked into export_all as the eagle MethodSpec's export step; the target's verify graph
+size comes from EagleConfig.verify_tokens, and EAGLE-3 makes the target graphs output
+the three feature layers (`target_feature_layers`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
 from .eagle_fused import build_fused_eagle_head
 from .fused_graph import write_fused
+from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
 from .reference import random_tree_mask, run_torch, save_reference
 
@@ -111,12 +112,13 @@ def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int,
     return graphs
 
 
-class EagleExport:
+class EagleExport(MethodExport):
     """`--eagle DIR`: loaded and checked before the target is exported (EAGLE-3 changes the
     target graphs: they output three layers' features), its graphs exported after."""
 
     def __init__(self, head_dir: Path):
-        self.head_dir = Path(head_dir)
+        super().__init__(head_dir)
+        self.head_dir = self.source
         self.head: EagleHead | None = None
         self.feature_layers: tuple[int, ...] = ()
 
@@ -128,16 +130,14 @@ class EagleExport:
         return self.feature_layers
 
     def __call__(self, ctx: dict) -> None:
-        if "eagle" not in ctx["methods"]:
-            raise SpecDeployError("--eagle was given but the config has no methods.eagle")
         head = self.head
-        self._draft_vocab(ctx["methods"]["eagle"]["draft_vocab"], ctx["progress"])
-        plan = graph_plan(ctx["methods"]["eagle"], ctx["cfg"]["prefill_chunk"])
+        self._draft_vocab(ctx["methods"]["eagle"].draft_vocab, ctx["progress"])
+        plan = graph_plan(ctx["methods"]["eagle"], ctx["cfg"].prefill_chunk)
         if plan["top_k"] > head.draft_vocab:
             raise SpecDeployError(f"eagle.top_k {plan['top_k']} exceeds the head's vocabulary of {head.draft_vocab}")
         ctx["models"]["eagle"] = head_spec(head, plan["top_k"], self.feature_layers)
         fused = ctx.get("fused", False) and head.fc.weight.dtype == torch.float32
-        ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"]["max_context"], ctx["progress"],
+        ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"].max_context, ctx["progress"],
                                                 fused))
 
     def _draft_vocab(self, size: int, progress) -> None:

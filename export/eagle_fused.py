@@ -1,6 +1,6 @@
 """The EAGLE head as a fused ORT-CPU graph (see fused_graph.py), beside its portable twin.
 
-Same I/O as the portable `eagle_draft` graph (eagle_export.py) except that the KV
+Same I/O as the portable `eagle_draft` graph (runtime/graph_contract.eagle_draft_io) except that the KV
 cache is the whole head-major buffer, bound as past and present and written in
 place, with `past_length` saying how many rows are filled. The tree_mask covers
 the last S keys (earlier draft levels + the T new rows); keys before them are
@@ -14,6 +14,8 @@ import onnx
 from onnx import TensorProto, helper
 from torch import nn
 
+from ..runtime.graph_contract import (FEATURES, FUSED, HIDDEN, INPUT_IDS, PAST_LENGTH, POSITION_IDS, TOPK_IDS,
+                                      TOPK_LOGPROBS, TREE_MASK, KVGeometry, eagle_draft_io)
 from .eagle_heads import EagleHead
 from .fused_graph import AttentionShape, GraphBuilder, check_silu, float32_array
 
@@ -23,18 +25,18 @@ def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
     cfg, t = head.cfg, tokens
     check_silu(cfg)
     eps = float(cfg.rms_norm_eps)
-    shape = AttentionShape(t, head.num_heads, head.num_kv_heads, head.head_dim)
+    shape = AttentionShape(t, KVGeometry(head.num_layers, head.num_heads, head.num_kv_heads, head.head_dim))
     b = GraphBuilder(wide_mask=True)
     rope = b.rope_tables(head.rotary_emb, head.hidden_size, head.head_dim, max_positions)
     lengths = b.attention_lengths(t)
-    (emb,) = b.op("Gather", [b.init("embed.weight", float32_array(head.embed_tokens.weight)), "input_ids"])
+    (emb,) = b.op("Gather", [b.init("embed.weight", float32_array(head.embed_tokens.weight)), INPUT_IDS])
 
     def residual(h: str, x: str) -> str:
         (y,) = b.op("Add", [h, x])
         return y
 
     if head.version == 1:
-        (cat,) = b.op("Concat", [emb, "features"], axis=2)
+        (cat,) = b.op("Concat", [emb, FEATURES], axis=2)
         h = b.linear(cat, [head.fc], "fc")
         for i, layer in enumerate(head.layers):
             norm_in = layer.input_layernorm
@@ -48,7 +50,7 @@ def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
         logits = b.matmul(h, float32_array(weight).T, "lm_head.weight")
     else:
         mid = head.midlayer
-        h = b.linear("features", [head.fc], "fc") if width != head.hidden_size else "features"
+        h = b.linear(FEATURES, [head.fc], "fc") if width != head.hidden_size else FEATURES
         (x,) = b.op("Concat", [b.rms_norm(emb, mid.input_layernorm.weight, eps, "input_norm"),
                                b.rms_norm(h, mid.hidden_norm.weight, eps, "hidden_norm")], axis=2)
         h = residual(h, b.attention(x, mid.self_attn, 0, shape, lengths, rope))
@@ -62,15 +64,16 @@ def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
         (idx,) = b.op("Add", [idx, offset])
     elif head.vocab_subset is not None:
         (idx,) = b.op("Gather", [b.init("vocab_subset", head.vocab_subset.numpy().astype(np.int64)), idx])
-    b.rename(values, "topk_logprobs")
-    b.rename(idx, "topk_ids")
-    b.rename(h, "hidden")
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, t]),
-              helper.make_tensor_value_info("features", TensorProto.FLOAT, [1, t, width]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, t]),
-              helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, [1, t, "mask_len"]),
-              helper.make_tensor_value_info("past_length", TensorProto.INT64, [1])]
-    outputs = [helper.make_tensor_value_info("topk_logprobs", TensorProto.FLOAT, [1, t, top_k]),
-               helper.make_tensor_value_info("topk_ids", TensorProto.INT64, [1, t, top_k]),
-               helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, t, head.hidden_size])]
-    return b.model(f"fused_eagle_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim, head.num_layers)
+    b.rename(values, TOPK_LOGPROBS)
+    b.rename(idx, TOPK_IDS)
+    b.rename(h, HIDDEN)
+    inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT, [1, t, width]),
+              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [1, t, "mask_len"]),
+              helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [1])]
+    outputs = [helper.make_tensor_value_info(TOPK_LOGPROBS, TensorProto.FLOAT, [1, t, top_k]),
+               helper.make_tensor_value_info(TOPK_IDS, TensorProto.INT64, [1, t, top_k]),
+               helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, t, head.hidden_size])]
+    return b.model(f"fused_eagle_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim,
+                   eagle_draft_io(head.num_layers, FUSED))

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.config import load_export_config
+from ..runtime.config import ExportConfig, load_export_config, to_dict
 from ..runtime.errors import SpecDeployError
 from ..runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
-from ..runtime.methods import VERIFY_TOKENS, validate_methods
+from ..runtime.methods import REGISTRY, method_spec
 from .decoder_graph import DecoderGraph, graph_io_names
-from .eagle_export import EagleExport
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
-from .medusa_export import MedusaExport
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
+from .method_export import MethodExport, load_export_step
 from .onnx_writer import SharedWeights, export_module
 from .reference import decoder_feeds, run_torch, save_reference
 
@@ -106,54 +105,59 @@ class DecoderExporter:
                        "flavor": "fused"}
 
 
-def target_token_counts(cfg: dict, methods: dict) -> list[int]:
-    counts = {1, cfg["prefill_chunk"]}
-    for method, params in methods.items():
-        tokens = VERIFY_TOKENS[method](params)
-        if tokens >= cfg["max_context"]:
+def target_token_counts(cfg: ExportConfig, methods: dict) -> list[int]:
+    counts = {1, cfg.prefill_chunk}
+    for method, config in methods.items():
+        tokens = config.verify_tokens
+        if tokens >= cfg.max_context:
             raise SpecDeployError(f"config: methods.{method} needs a verify graph of {tokens} tokens, "
-                                  f"which does not fit max_context {cfg['max_context']}")
+                                  f"which does not fit max_context {cfg.max_context}")
         counts.add(tokens)
-    if max(counts) >= cfg["max_context"]:
-        raise SpecDeployError(f"a graph of {max(counts)} tokens does not fit max_context {cfg['max_context']}")
+    if max(counts) >= cfg.max_context:
+        raise SpecDeployError(f"a graph of {max(counts)} tokens does not fit max_context {cfg.max_context}")
     return sorted(counts)
 
 
+def export_methods(overrides: dict[str, dict], sources: dict[str, Path | None]) -> dict:
+    """The validated config of every registered method this export can have (one that needs
+    an input, MethodSpec.export_input, only when it is given); `overrides` from the config files."""
+    for name in overrides:
+        method_spec(name)  # an unknown method name is an error even where it would not be exported
+    return {name: spec.parse(overrides.get(name)) for name, spec in REGISTRY.items()
+            if spec.export_input is None or sources[spec.export_input] is not None}
+
+
 def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
-               config: Path | None = None, progress=print, extra_models=None, eagle: Path | None = None,
+               config: Path | None = None, progress=print, eagle: Path | None = None,
                medusa: Path | None = None, medusa_tree: str | None = None, fused: bool = True) -> Path:
-    """The whole export; `extra_models(ctx)` hooks add head graphs (Medusa, EAGLE); `eagle` is an EAGLE head dir;
-    `medusa` a Medusa heads dir (published layout) and `medusa_tree` overrides methods.medusa.tree;
-    `fused` adds each decoder's ORT-CPU graphs (export/fused_graph.py) beside the portable ones."""
+    """The whole export. `draft` (a draft model), `eagle` (an EAGLE head dir) and `medusa` (a Medusa
+    heads dir, published layout) add the methods that need them; `medusa_tree` overrides
+    methods.medusa.tree; `fused` adds each decoder's ORT-CPU graphs (export/fused_graph.py)
+    beside the portable ones."""
     start = time.perf_counter()
-    cfg = load_export_config(config)
-    methods = dict(cfg["methods"])
-    if draft is None:
-        methods.pop("draft", None)
-    if eagle is None:
-        methods.pop("eagle", None)  # exported only with a head (--eagle DIR)
-    if medusa_tree is not None and medusa is None:
-        raise SpecDeployError("--tree chooses the Medusa tree: it needs --medusa DIR")
-    medusa_export = MedusaExport(medusa, medusa_tree) if medusa is not None else None
-    if medusa_export is None:
-        methods.pop("medusa", None)  # exported only with heads (--medusa DIR)
-    else:
-        methods["medusa"] = medusa_export.method_config(methods.get("medusa", {}))
-    methods = validate_methods(methods)
+    cfg, overrides = load_export_config(config)
+    if medusa_tree is not None:
+        if medusa is None:
+            raise SpecDeployError("--tree chooses the Medusa tree: it needs --medusa DIR")
+        overrides["medusa"] = {**overrides.get("medusa", {}), "tree": medusa_tree}
+    sources = {"draft": draft, "eagle": eagle, "medusa": medusa}  # what MethodSpec.export_input names
+    methods = export_methods(overrides, sources)
+    steps: dict[str, MethodExport] = {name: load_export_step(spec.export_step)(sources[spec.export_input])
+                                      for name, spec in REGISTRY.items() if name in methods and spec.export_step}
     token_counts = target_token_counts(cfg, methods)  # config errors before anything is written
     torch.manual_seed(0)
     out = Path(out)
     target_cfg = read_hf_config(target)
-    check_context("target", target_cfg, cfg["max_context"])
+    check_context("target", target_cfg, cfg.max_context)
     draft_cfg = None
     if draft is not None:
         draft_cfg = read_hf_config(draft)
         check_same_vocab(Path(target), Path(draft), target_cfg, draft_cfg)
-        check_context("draft", draft_cfg, cfg["max_context"])
+        check_context("draft", draft_cfg, cfg.max_context)
     if not (Path(target) / "tokenizer.json").is_file():
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
-    if medusa_export is not None:  # heads checked against the target before anything is written
-        medusa_export.prepare(target_cfg, methods, progress)
+    for name, step in steps.items():  # heads checked against the target before anything is written
+        methods[name] = step.check(target_cfg, methods[name], progress)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -161,9 +165,8 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
 
     progress(f"loading target from {target} ({dtype})")
     target_model = load_causal_lm(Path(target), dtype)
-    eagle_export = EagleExport(eagle) if eagle is not None else None
-    feature_layers = eagle_export.prepare(target_model, progress) if eagle_export else ()  # head checked early
-    exporter = DecoderExporter("target", target_model, out, dtype, cfg["max_context"], progress, feature_layers,
+    feature_layers = tuple(layer for step in steps.values() for layer in step.prepare(target_model, progress))
+    exporter = DecoderExporter("target", target_model, out, dtype, cfg.max_context, progress, feature_layers,
                                fused)
     models["target"] = {**exporter.spec, "source": str(Path(target).resolve())}
     if feature_layers:
@@ -173,19 +176,15 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     if draft is not None:
         progress(f"loading draft from {draft} ({dtype})")
         draft_model = load_causal_lm(Path(draft), dtype)
-        dexp = DecoderExporter("draft", draft_model, out, dtype, cfg["max_context"], progress, fused=fused)
+        dexp = DecoderExporter("draft", draft_model, out, dtype, cfg.max_context, progress, fused=fused)
         models["draft"] = {**dexp.spec, "source": str(Path(draft).resolve())}
-        for t in sorted({1, cfg["prefill_chunk"]}):
+        for t in sorted({1, cfg.prefill_chunk}):
             graphs.update(dexp.export(t))
     ctx = {"out": out, "target_model": target_model, "graphs": graphs, "models": models,
            "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress,
            "fused": fused and dtype in FUSED_DTYPES}
-    if extra_models is not None:
-        extra_models(ctx)
-    if eagle_export is not None:
-        eagle_export(ctx)
-    if medusa_export is not None:
-        medusa_export(ctx)
+    for step in steps.values():
+        step(ctx)
 
     tok_dir = out / "tokenizer"
     tok_dir.mkdir()
@@ -198,12 +197,12 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     manifest = {
         "format": FORMAT_VERSION,
         "dtype": dtype,
-        "max_context": cfg["max_context"],
-        "prefill_chunk": cfg["prefill_chunk"],
+        "max_context": cfg.max_context,
+        "prefill_chunk": cfg.prefill_chunk,
         "models": models,
         "graphs": graphs,
         "tokenizer": {"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
-        "methods": methods,
+        "methods": {name: to_dict(settings) for name, settings in methods.items()},
         "files": files,
         "exported_in_s": round(time.perf_counter() - start, 1),
     }

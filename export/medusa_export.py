@@ -5,23 +5,25 @@ Graph `medusa_heads` (kind "medusa_heads", static shapes):
   out `topk_ids`      int64   [num_heads, K]  each head's K best tokens, best first
   out `topk_logprobs` float32 [num_heads, K]  their log-probabilities
 K is the tree's largest rank + 1 (or methods.medusa.top_k). The target's verify graph
-is sized to the tree by VERIFY_TOKENS["medusa"]; the manifest's methods.medusa keeps
+is sized to the tree (MedusaConfig.verify_tokens); the manifest's methods.medusa keeps
 the tree's paths, so the runtime needs nothing else.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..runtime.drafters.medusa import GRAPH_KIND
+from ..runtime.drafters.medusa import GRAPH_KIND, MedusaConfig
 from ..runtime.errors import SpecDeployError
 from .draft_vocab import read_draft_vocab
 from .medusa_heads import MedusaHeads, load_heads
+from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
 from .reference import run_torch, save_reference
 
@@ -53,42 +55,32 @@ class MedusaHeadsModule(nn.Module):
         return ids, values
 
 
-class MedusaExport:
-    """Heads loaded and checked against the target before any graph is written; the heads
-    graph is exported through export_all's extra-model step."""
+class MedusaExport(MethodExport):
+    """`--medusa DIR`: heads loaded and checked against the target before any graph is written."""
 
-    def __init__(self, heads_dir: Path, tree: str | None = None):
-        self.heads_dir = Path(heads_dir)
-        self.tree = tree
+    def __init__(self, heads_dir: Path):
+        super().__init__(heads_dir)
+        self.heads_dir = self.source
         self.heads: MedusaHeads | None = None
 
-    def method_config(self, params: dict) -> dict:
-        """methods.medusa with `--tree` applied (a new tree means a new K unless top_k is set)."""
-        params = dict(params or {})
-        if self.tree is not None:
-            params["tree"] = self.tree
-            params.pop("tree_paths", None)
-        return params
-
-    def prepare(self, target_cfg: dict, methods: dict, progress) -> None:
+    def check(self, target_cfg: dict, config: MedusaConfig, progress) -> MedusaConfig:
         progress(f"loading Medusa heads from {self.heads_dir}")
         self.heads = load_heads(self.heads_dir, target_cfg["hidden_size"], target_cfg["vocab_size"])
-        params = methods["medusa"]
-        if params["heads"] > self.heads.num_heads:
-            # Use the heads there are when the tree allows it (config says "at most").
-            depth = max(len(p) for p in params["tree_paths"]["paths"])
-            if depth > self.heads.num_heads:
-                raise SpecDeployError(
-                    f"medusa tree {params['tree_paths']['name']!r} is {depth} levels deep but {self.heads_dir} "
-                    f"has {self.heads.num_heads} heads")
-            params["heads"] = self.heads.num_heads
+        if config.heads <= self.heads.num_heads:
+            return config
+        # Use the heads there are when the tree allows it (config says "at most").
+        depth = config.tree_paths.depth
+        if depth > self.heads.num_heads:
+            raise SpecDeployError(f"medusa tree {config.tree_paths.name!r} is {depth} levels deep but "
+                                  f"{self.heads_dir} has {self.heads.num_heads} heads")
+        return replace(config, heads=self.heads.num_heads)
 
     def __call__(self, ctx: dict) -> None:
-        params = ctx["methods"]["medusa"]
+        config: MedusaConfig = ctx["methods"]["medusa"]
         start = time.perf_counter()
-        subset = read_draft_vocab(self.heads_dir, params.get("draft_vocab", 0), self.heads.vocab_size, "medusa",
+        subset = read_draft_vocab(self.heads_dir, config.draft_vocab, self.heads.vocab_size, "medusa",
                                   ctx["progress"])
-        wrapper = MedusaHeadsModule(self.heads, params["heads"], params["top_k"], subset).eval()
+        wrapper = MedusaHeadsModule(self.heads, config.heads, config.top_k, subset).eval()
         hidden = self.heads.hidden_size
         out = ctx["out"]
         sample = {"hidden": np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)}
@@ -98,9 +90,9 @@ class MedusaExport:
         save_reference(out, GRAPH_NAME, ref, run_torch(wrapper, ref, INPUTS, OUTPUTS))
         ctx["graphs"][GRAPH_NAME] = {
             "file": f"{GRAPH_NAME}.onnx", "model": "target", "kind": GRAPH_KIND, "tokens": 1,
-            "num_heads": params["heads"], "top_k": params["top_k"], "num_layers": self.heads.num_layers,
+            "num_heads": config.heads, "top_k": config.top_k, "num_layers": self.heads.num_layers,
             "source": self.heads.source, "draft_vocab": len(subset) if subset else self.heads.vocab_size,
         }
-        ctx["progress"](f"  exported {GRAPH_NAME}.onnx ({params['heads']} heads, top-{params['top_k']}, tree of "
-                        f"{len(params['tree_paths']['paths']) + 1} tokens) in {time.perf_counter() - start:.1f}s")
+        ctx["progress"](f"  exported {GRAPH_NAME}.onnx ({config.heads} heads, top-{config.top_k}, tree of "
+                        f"{config.verify_tokens} tokens) in {time.perf_counter() - start:.1f}s")
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .drafters.base import DecodeState, Proposal
+from .drafters.base import DecodeState, Drafter, Proposal
 from .errors import SpecDeployError
-from .export_dir import Export
+from .loaded_export import LoadedExport
 from .methods import build_drafter
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDecoder
@@ -36,7 +36,7 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, "stats": self.stats}
 
 
-def validate_request(export: Export, prompt_ids: list[int], max_new_tokens: int) -> None:
+def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens: int) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise SpecDeployError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not prompt_ids:
@@ -57,15 +57,18 @@ class _PrefillCancelled(Exception):
 
 
 class Generation:
-    """One request. Iterate for streamed tokens; call cancel() from any thread to stop it."""
+    """One request. Iterate for streamed tokens; call cancel() from any thread to stop it.
 
-    def __init__(self, export: Export, prompt_ids: list[int], method: str = "ar", params: SamplingParams | None = None,
+    `method_overrides` change the export's config of `method` for this request; `drafter`
+    is one the caller built for `method` (tree tuning wraps one to observe it)."""
+
+    def __init__(self, export: LoadedExport, prompt_ids: list[int], method: str = "ar", params: SamplingParams | None = None,
                  max_new_tokens: int = 64, stop: list[str] | None = None, ignore_eos: bool = False,
-                 method_overrides: dict | None = None):
+                 method_overrides: dict | None = None, drafter: Drafter | None = None):
         self.params = params or SamplingParams()
         validate_request(export, list(prompt_ids), max_new_tokens)
         self.export, self.method, self.max_new = export, method, max_new_tokens
-        self.drafter = build_drafter(method, export, export.method_params(method, method_overrides))
+        self.drafter = drafter or build_drafter(export, export.method_config(method, method_overrides))
         self.target = export.decoder("target")
         self.stop = [s for s in (stop or []) if s]
         self.eos = set() if ignore_eos else export.eos_token_ids
@@ -189,5 +192,5 @@ class Generation:
         return GenerationResult(self.text, list(self.new_ids), self.finish_reason or "length", dict(self.stats))
 
 
-def generate(export: Export, prompt_ids: list[int], **kwargs) -> GenerationResult:
+def generate(export: LoadedExport, prompt_ids: list[int], **kwargs) -> GenerationResult:
     return Generation(export, prompt_ids, **kwargs).result()

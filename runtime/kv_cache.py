@@ -18,13 +18,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from .errors import SpecDeployError
-from .manifest import ModelSpec
+from .graph_contract import KEY, VALUE, ModelRecord, past_name
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, max_context: int, dtype: str = "float32", in_place: bool = False):
+    def __init__(self, spec: ModelRecord, max_context: int, dtype: str = "float32", in_place: bool = False):
         self.in_place = in_place
         if in_place:
             shape = (1, spec.num_kv_heads, max_context, spec.head_dim)
@@ -40,6 +40,18 @@ class KVCache:
     def past(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """[1, length, kv_heads, head_dim] views into the buffers (no copy)."""
         return self.keys[layer][None, : self.length], self.values[layer][None, : self.length]
+
+    def past_feeds(self) -> dict[str, np.ndarray]:
+        """A portable graph's past_* inputs: views of the committed rows."""
+        feeds = {}
+        for layer in range(len(self.keys)):
+            feeds[past_name(layer, KEY)], feeds[past_name(layer, VALUE)] = self.past(layer)
+        return feeds
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The whole buffers by past_* name, for a fused graph to bind as past and present."""
+        return {past_name(layer, kind): bufs[layer] for layer in range(len(self.keys))
+                for kind, bufs in ((KEY, self.keys), (VALUE, self.values))}
 
     def _row_bytes(self) -> int:
         """K and V bytes of one token across all layers."""

@@ -9,10 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .backends import check_backend
+from .config import ExportConfig, with_overrides
 from .decoder import Decoder
 from .errors import SpecDeployError
 from .manifest import load_manifest
-from .methods import check_method, validate_methods
+from .methods import method_spec, validate_methods
 from .tokenizer import TextTokenizer
 
 
@@ -41,7 +42,7 @@ class Export:
         self.threads = threads
         self.tokenizer = TextTokenizer(self.manifest.root / self.manifest.tokenizer.get("dir", "tokenizer"))
         self.methods = validate_methods(self.manifest.methods)
-        self.prefill_chunk = int(self.manifest.raw.get("prefill_chunk", 16))
+        self.prefill_chunk = int(self.manifest.raw.get("prefill_chunk", ExportConfig.prefill_chunk))
         self._decoders: dict[str, Decoder] = {}
         self._parts: dict[str, object] = {}
         target = self.manifest.models.get("target")
@@ -81,14 +82,15 @@ class Export:
         fused = self.backend == "ort-cpu" and has_fused and self.graphs != "portable"
         return Decoder(self.manifest, model, self.backend, self.threads, fused=fused)
 
-    def method_params(self, method: str, overrides: dict | None = None) -> dict:
-        check_method(method)
+    def method_config(self, method: str, overrides: dict | None = None):
+        """The exported config of `method` (validated when the manifest loaded), or a new one
+        with a request's `overrides` applied (validated then)."""
+        spec = method_spec(method)
         if method not in self.methods:
-            raise SpecDeployError(f"method {method!r} was not exported (exported: {', '.join(self.methods)})")
-        params = dict(self.methods[method])
-        if overrides:
-            params.update(overrides)
-        return validate_methods({method: params})[method]
+            needs = f"; it needs `specdeploy export --{spec.export_input} DIR`" if spec.export_input else ""
+            raise SpecDeployError(f"method {method!r} was not exported (exported: {', '.join(self.methods)}){needs}")
+        config = self.methods[method]
+        return with_overrides(config, overrides, method) if overrides else config
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -1,13 +1,17 @@
-"""The export manifest: everything the runtime needs to know, validated on load."""
+"""manifest.json: written by the exporter, read (and validated) by the runtime, one format.
+
+Its model and graph entries are the graph contract's records (runtime/graph_contract.py).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SpecDeployError
+from .graph_contract import DECODER, FUSED, PORTABLE, GraphRecord, ModelRecord
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -21,61 +25,51 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    architecture: str = ""
-    model_type: str = ""
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    name: str
-    file: str
-    model: str
-    kind: str  # "decoder", "medusa_heads", "eagle_draft", ...
-    tokens: int
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def flavor(self) -> str:
-        return self.extra.get("flavor", "portable")
-
-
 @dataclass
 class Manifest:
     root: Path
     dtype: str
     max_context: int
-    models: dict[str, ModelSpec]
-    graphs: dict[str, GraphSpec]
+    models: dict[str, ModelRecord]
+    graphs: dict[str, GraphRecord]
     tokenizer: dict
     methods: dict
     files: dict[str, str]
     raw: dict
 
-    def decoder_graphs(self, model: str, flavor: str = "portable") -> dict[int, GraphSpec]:
-        """Decoder graphs of one model and flavor ("portable": standard ONNX ops, what TensorRT
-        builds from; "fused": ORT CPU contrib ops, KV in place) keyed by their static token count."""
-        return {g.tokens: g for g in self.graphs.values()
-                if g.model == model and g.kind == "decoder" and g.flavor == flavor}
+    def graphs_of(self, kind: str, model: str | None = None, flavor: str | None = None) -> list[GraphRecord]:
+        return [g for g in self.graphs.values()
+                if g.kind == kind and model in (None, g.model) and flavor in (None, g.flavor)]
 
-    def trt_graphs(self) -> dict[str, GraphSpec]:
+    def decoder_graphs(self, model: str, flavor: str = PORTABLE) -> dict[int, GraphRecord]:
+        """Decoder graphs of one model and flavor, keyed by their static token count."""
+        return {g.tokens: g for g in self.graphs_of(DECODER, model, flavor)}
+
+    def trt_graphs(self) -> dict[str, GraphRecord]:
         """The graphs TensorRT builds engines from: all but the fused (ORT-only) ones."""
-        return {name: g for name, g in self.graphs.items() if g.flavor != "fused"}
+        return {name: g for name, g in self.graphs.items() if g.flavor != FUSED}
 
-    def graph_path(self, graph: GraphSpec) -> Path:
+    def graph_path(self, graph: GraphRecord) -> Path:
         return self.root / graph.file
 
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self.tokenizer.get("eos_token_ids", []))
+
+
+def write_manifest(out: Path, *, dtype: str, max_context: int, prefill_chunk: int, models: dict[str, ModelRecord],
+                   graphs: dict[str, GraphRecord], tokenizer: dict, methods: dict, files: dict[str, str],
+                   **facts) -> Path:
+    """Write OUT/manifest.json; `facts` are informational top-level entries (exported_in_s...)."""
+    data = {
+        "format": FORMAT_VERSION, "dtype": dtype, "max_context": max_context, "prefill_chunk": prefill_chunk,
+        "models": {name: m.to_json() for name, m in models.items()},
+        "graphs": {name: g.to_json() for name, g in graphs.items()},
+        "tokenizer": tokenizer, "methods": methods, "files": files, **facts,
+    }
+    path = Path(out) / MANIFEST_NAME
+    path.write_text(json.dumps(data, indent=2))
+    return path
 
 
 def _require(d: dict, key: str, where: str):
@@ -102,19 +96,9 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True) -> Mani
     if raw.get("format") != FORMAT_VERSION:
         raise SpecDeployError(f"manifest {path}: unsupported format {raw.get('format')!r} (expected {FORMAT_VERSION})")
     try:
-        models = {}
-        for name, m in _require(raw, "models", "manifest").items():
-            known = {k: m[k] for k in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")}
-            rest = {k: v for k, v in m.items() if k not in known}
-            models[name] = ModelSpec(
-                name=name, architecture=m.get("architecture", ""), model_type=m.get("model_type", ""),
-                extra=rest, **{k: int(v) for k, v in known.items()},
-            )
-        graphs = {}
-        for name, g in _require(raw, "graphs", "manifest").items():
-            rest = {k: v for k, v in g.items() if k not in ("file", "model", "kind", "tokens")}
-            graphs[name] = GraphSpec(name=name, file=g["file"], model=g["model"], kind=g["kind"],
-                                     tokens=int(g["tokens"]), extra=rest)
+        models = {name: ModelRecord.from_json(name, m) for name, m in _require(raw, "models", "manifest").items()}
+        graphs = {name: GraphRecord.from_json(name, g) for name, g in _require(raw, "graphs", "manifest").items()}
+        max_context = int(_require(raw, "max_context", "manifest"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SpecDeployError(f"manifest {path} is malformed: {exc!r}") from None
     files = raw.get("files", {})
@@ -130,7 +114,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True) -> Mani
         if not (root / g.file).is_file():
             raise SpecDeployError(f"graph file missing: {root / g.file}")
     return Manifest(
-        root=root, dtype=raw.get("dtype", "float32"), max_context=int(_require(raw, "max_context", "manifest")),
+        root=root, dtype=raw.get("dtype", "float32"), max_context=max_context,
         models=models, graphs=graphs, tokenizer=raw.get("tokenizer", {}), methods=raw.get("methods", {}),
         files=files, raw=raw,
     )

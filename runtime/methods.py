@@ -1,85 +1,56 @@
-"""The methods: name -> how to validate its config, size its verify graph, build its drafter."""
+"""The method registry: one MethodSpec per method. Everything that needs to know which
+methods exist (configs, the exporter, the CLI, tree tuning, the bench) looks them up here."""
 
 from __future__ import annotations
 
-from .drafters import draft_model, eagle, lookahead, medusa, prompt_lookup
+from .config import describe
+from .drafters import ar, draft_model, eagle, lookahead, medusa, prompt_lookup
 from .errors import SpecDeployError
+from .method_spec import MethodSpec
+from .tree_calibration import calibrate_eagle, calibrate_medusa
 
-# Verify token count of each method (static T of its target graph) from its config.
-VERIFY_TOKENS = {
-    "ar": lambda params: 1,
-    "draft": draft_model.verify_tokens,
-    "prompt-lookup": prompt_lookup.verify_tokens,
-    "lookahead": lookahead.verify_tokens,
-    "eagle": eagle.verify_tokens,
-    "medusa": medusa.verify_tokens,
-}
-VALIDATORS = {
-    "ar": lambda params: {},
-    "draft": draft_model.validate,
-    "prompt-lookup": prompt_lookup.validate,
-    "lookahead": lookahead.validate,
-    "eagle": eagle.validate,
-    "medusa": medusa.validate,
-}
+REGISTRY: dict[str, MethodSpec] = {spec.name: spec for spec in (
+    MethodSpec(ar.ArConfig, ar.build),
+    MethodSpec(draft_model.DraftConfig, draft_model.build, export_input="draft"),
+    MethodSpec(prompt_lookup.PromptLookupConfig, prompt_lookup.build),
+    MethodSpec(lookahead.LookaheadConfig, lookahead.build),
+    MethodSpec(eagle.EagleConfig, eagle.build, export_input="eagle", export_step="eagle_export:EagleHeadExporter",
+               calibrate=calibrate_eagle),
+    MethodSpec(medusa.MedusaConfig, medusa.build, export_input="medusa",
+               export_step="medusa_export:MedusaHeadsExporter", calibrate=calibrate_medusa),
+)}
 
 
 def known_methods() -> list[str]:
-    return list(VALIDATORS)
+    return list(REGISTRY)
 
 
-def check_method(name: str) -> str:
-    if name not in VALIDATORS:
+def method_spec(name: str) -> MethodSpec:
+    spec = REGISTRY.get(name)
+    if spec is None:
         raise SpecDeployError(f"unknown method {name!r} (choose from {', '.join(known_methods())})")
-    return name
+    return spec
+
+
+def tunable_methods() -> list[str]:
+    """Methods with a static tree that `specdeploy tune-tree` can calibrate."""
+    return [name for name, spec in REGISTRY.items() if spec.calibrate is not None]
 
 
 def validate_methods(methods: dict) -> dict:
-    out = {}
-    for name, params in methods.items():
-        check_method(name)
-        out[name] = VALIDATORS[name](params or {})
-    return out
+    """{name: mapping} (a manifest's or a config file's) -> {name: validated config}."""
+    return {name: method_spec(name).parse(params) for name, params in methods.items()}
 
 
-def build_drafter(method: str, export, params: dict):
-    """The drafter for `method` over a loaded export (runtime.engine.Export)."""
-    from .drafters.base import Drafter
-
-    check_method(method)
-    if method == "ar":
-        return Drafter()
-    if method == "draft":
-        if "draft" not in export.manifest.models:
-            raise SpecDeployError("method 'draft' needs a draft model: export with --draft DIR")
-        return draft_model.DraftModelDrafter(export.decoder("draft"), params["k"], export.prefill_chunk)
-    if method == "prompt-lookup":
-        _require_graph(export, method, params)
-        return prompt_lookup.PromptLookupDrafter(params["k"], params["max_ngram"], params["min_ngram"])
-    if method == "lookahead":
-        _require_graph(export, method, params)
-        return lookahead.LookaheadDrafter(params["window"], params["ngram"], params["guesses"])
-    if method == "eagle":
-        _require_graph(export, method, eagle.shown(params))
-        from .drafters.eagle_head import EagleHeadRunner
-
-        head = export.part("eagle", lambda: EagleHeadRunner(export.manifest, export.backend, export.threads,
-                                                            fused=export.graphs != "portable"))
-        return eagle.EagleDrafter(head, params)
-    if method == "medusa":
-        need, largest = medusa.verify_tokens(params), export.decoder("target").sizes[-1]
-        if need > largest:  # checked on the resolved paths: a tree file need not exist at run time
-            raise SpecDeployError(f"medusa tree {params['tree_paths']['name']!r} needs a target graph of {need} "
-                                  f"tokens; this export's largest is {largest} (re-export with --tree)")
-        heads = export.part("medusa", lambda: medusa.MedusaHeadsGraph(export))
-        return medusa.MedusaDrafter(heads, params)
-    raise SpecDeployError(f"method {method!r} is not available in this build")
+def default_config(name: str):
+    return method_spec(name).config()
 
 
-def _require_graph(export, method: str, params: dict) -> None:
-    """Run-time overrides may ask for a bigger verify call than the export holds: say so up front."""
-    need, sizes = VERIFY_TOKENS[method](params), export.decoder("target").sizes
-    if need > sizes[-1]:
-        shown = ", ".join(f"{k}={v}" for k, v in params.items())
-        raise SpecDeployError(f"method {method!r} with {shown} needs a target graph of {need} tokens; "
-                              f"this export's largest is {sizes[-1]} (re-export with this config)")
+def build_drafter(export, config):
+    """The drafter for `config`'s method over a loaded export (runtime.loaded_export.LoadedExport)."""
+    # Run-time overrides may ask for a bigger verify call than the export holds: say so up front.
+    need, largest = config.verify_tokens, export.decoder("target").sizes[-1]
+    if need > largest:
+        raise SpecDeployError(f"method {config.method!r} with {describe(config)} needs a target graph of {need} "
+                              f"tokens; this export's largest is {largest} (re-export with this config)")
+    return method_spec(config.method).build(export, config)

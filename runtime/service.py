@@ -70,7 +70,7 @@ class Service:
                     if name in unavailable:
                         continue
                     try:  # building a drafter opens the graphs its method needs
-                        build_drafter(name, export, export.method_params(name))
+                        build_drafter(export, export.method_config(name))
                     except SpecDeployError as exc:  # serve the other methods; say why this one is missing
                         unavailable[name] = str(exc)
                         log.warning("method %r is not available: %s", name, exc)

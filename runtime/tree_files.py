@@ -8,10 +8,12 @@ Validation of the paths themselves is runtime/tree.Tree.from_paths.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CONFIG_DIR
 from .errors import SpecDeployError
+from .tree import Tree
 
 TREE_DIR = CONFIG_DIR / "trees"
 
@@ -47,3 +49,33 @@ def resolve_tree(spec, what: str = "tree") -> tuple[str, list]:
         return str(path), read_tree_file(path)
     raise SpecDeployError(f"config: {what} {spec!r} is neither a tree file nor a known name "
                           f"(known: {', '.join(tree_names()) or 'none'})")
+
+
+@dataclass(frozen=True)
+class TreePaths:
+    """A config's tree resolved to its paths; the manifest keeps it, so the runtime needs no tree files."""
+
+    name: str  # the tree's name or file as configured, or "inline"
+    paths: tuple[tuple[int, ...], ...]
+
+    def tree(self) -> Tree:
+        return Tree.from_paths([list(p) for p in self.paths])
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+
+def config_tree(spec, resolved, what: str) -> tuple[str, list]:
+    """(label, paths) of a config's `tree`: its `resolved` copy (TreePaths or the manifest's
+    {"name", "paths"}) when that names the same tree, else resolve_tree(spec). Not yet validated."""
+    if isinstance(resolved, TreePaths):
+        resolved = {"name": resolved.name, "paths": [list(p) for p in resolved.paths]}
+    if isinstance(spec, str) and isinstance(resolved, dict) and resolved.get("name") == spec:
+        return spec, resolved.get("paths")
+    return resolve_tree(list(spec) if isinstance(spec, tuple) else spec, what)
+
+
+def frozen_paths(paths: list) -> tuple[tuple[int, ...], ...]:
+    """Validated paths as tuples (configs are frozen)."""
+    return tuple(tuple(p) for p in paths)

@@ -173,7 +173,7 @@ def time_verify(decoder, sizes: list[int], past: int, repeats: int = 20) -> list
 
 @dataclass
 class Calibration:
-    """What a method's collector measured on the calibration prompts (greedy decoding)."""
+    """What a method's calibration hook (MethodSpec.calibrate) measured on the calibration prompts (greedy)."""
 
     stats: AcceptanceStats
     matched: list[tuple[int, ...]]  # per recorded position: ranks of the target's next tokens (see empirical_...)
@@ -181,23 +181,18 @@ class Calibration:
     current_paths: list[list[int]]  # the export's own tree, for comparison
 
 
-def collectors() -> dict:
-    """method -> collect(export, prompts_ids, max_new_tokens) -> Calibration."""
-    from .drafters import eagle, medusa
-
-    return {"medusa": medusa.collect_calibration, "eagle": eagle.collect_calibration}
-
-
 def tune(export, method: str, prompts: list[list[int]], max_new_tokens: int = 64, max_nodes: int = 64,
          progress=print) -> dict:
     """Calibrate `method` on `prompts` (token ids) and choose its static tree for this backend."""
-    found = collectors()
-    if method not in found:
-        raise SpecDeployError(f"tune-tree supports {', '.join(sorted(found))}, not {method!r}")
+    from .methods import method_spec, tunable_methods  # the registry's hooks import this module
+
+    tunable = tunable_methods()
+    if method not in tunable:
+        raise SpecDeployError(f"tune-tree supports {', '.join(sorted(tunable))}, not {method!r}")
     if not prompts:
         raise SpecDeployError("tune-tree: no calibration prompts")
     start = time.perf_counter()
-    cal = found[method](export, prompts, max_new_tokens)
+    cal = method_spec(method).calibrate(export, prompts, max_new_tokens)
     progress(f"[tune-tree] {len(cal.matched)} calibration positions from {len(prompts)} prompts "
              f"({time.perf_counter() - start:.1f}s)")
     decoder = export.decoder("target")

@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from specdeploy.train import corpus
+    from specdeploy.runtime.config import to_dict
     from specdeploy.runtime.export_dir import Export
 
     export = Export(args.export, threads=args.threads)
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
             per_repeat[name].append(run_set(export, prompts, METHODS, args.new_tokens, overrides))
             print(f"  repeat {rep + 1}/{args.repeats} {name} done ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
 
-    report = {"export": args.export, "methods": {m: export.method_params(m, overrides.get(m)) for m in METHODS},
+    report = {"export": args.export, "methods": {m: to_dict(export.method_config(m, overrides.get(m))) for m in METHODS},
               "new_tokens": args.new_tokens, "prompts_per_set": args.prompts, "repeats": args.repeats, "sets": {}}
     for name, reps in per_repeat.items():
         rows = {}

@@ -402,17 +402,14 @@ def test_head_that_does_not_fit_the_target(micro_family, tmp_path):
     ({"mode": "eagle1", "tree": None}, "needs eagle.tree"),
     ({"tree": "no_such_tree"}, "eagle.tree 'no_such_tree' is neither a tree file nor a known name"),
     ({"tree": [[0], [0, 0, 0]]}, "not prefix-closed"),
-    ({"topk": 4}, "unknown eagle settings ['topk']"),
+    ({"topk": 4}, "unknown eagle keys ['topk']"),
     ({"draft_vocab": -5}, "eagle.draft_vocab"),
 ])
 def test_bad_config(params, needle):
-    from specdeploy.runtime.drafters.eagle import validate
+    from specdeploy.runtime.methods import method_spec
 
     base = {"mode": "eagle2", "top_k": 4, "depth": 5, "total_tokens": 16, "tree": "eagle1_mc_sim_7b_63"}
-    params = {**base, **params}
-    if params.get("tree") is None:
-        params.pop("tree")
-    assert needle in _error(lambda: validate(params))
+    assert needle in _error(lambda: method_spec("eagle").parse({**base, **params}))
 
 
 def test_runtime_errors(heads, micro_export):

@@ -11,11 +11,11 @@ from scipy.stats import chisquare
 
 from conftest import hf_greedy, run_cli
 from specdeploy.runtime.drafters.base import DecodeState
-from specdeploy.runtime.drafters.lookahead import LookaheadDrafter, trie, window_layout
+from specdeploy.runtime.drafters.lookahead import LookaheadConfig, LookaheadDrafter, trie, window_layout
 from specdeploy.runtime.drafters.ngram_pool import NGramPool
 from specdeploy.runtime.drafters.prompt_lookup import find_continuation
 from specdeploy.runtime.errors import SpecDeployError
-from specdeploy.runtime.methods import VERIFY_TOKENS, validate_methods
+from specdeploy.runtime.methods import validate_methods
 from specdeploy.runtime.sampling import SamplingParams
 
 # Prompts ending mid-line: the micro target continues them with varied code before it loops.
@@ -183,7 +183,7 @@ def test_packed_rows_equal_sequential_decoding(micro, window, ngram, guesses):
         drafter.pool.add(root, cand[: ngram - 1])
     proposal = drafter.propose(state)
     assert proposal.tree.size >= 3  # candidates are in the call
-    assert proposal.size <= VERIFY_TOKENS["lookahead"]({"window": window, "ngram": ngram, "guesses": guesses})
+    assert proposal.size <= LookaheadConfig(window, ngram, guesses).verify_tokens
 
     target.reset()
     target.prefill(prompt[:-1], micro.prefill_chunk)

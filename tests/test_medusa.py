@@ -234,10 +234,10 @@ def test_named_trees_ship_the_published_data():
     ([], "non-empty list"),
 ])
 def test_malformed_tree_is_one_clear_error(tree, needle):
-    from specdeploy.runtime.drafters.medusa import validate
+    from specdeploy.runtime.drafters.medusa import MedusaConfig
 
     with pytest.raises(SpecDeployError) as err:
-        validate({"heads": 2, "tree": tree})
+        MedusaConfig(heads=2, tree=tree)
     assert needle in str(err.value)
 
 
@@ -246,7 +246,7 @@ def test_tree_larger_than_the_graph_is_one_clear_error(exports):
 
     export = exports["trained"]
     ids = export.tokenizer.encode("def f():")
-    k, largest = export.method_params("medusa")["top_k"], export.decoder("target").sizes[-1]
+    k, largest = export.method_config("medusa").top_k, export.decoder("target").sizes[-1]
     wide = [list(p) for n in (1, 2, 3, 4) for p in itertools.product(range(k), repeat=n)]  # ranks within top-k
     with pytest.raises(SpecDeployError) as err:
         Generation(export, ids, method="medusa", method_overrides={"tree": wide})
@@ -260,8 +260,7 @@ def test_tree_larger_than_the_graph_is_one_clear_error(exports):
 def test_tree_mask_logits_equal_sequential_decoding(exports):
     """The 63-node published tree scored in one masked call == each path decoded on its own."""
     export = exports["pt"]
-    params = export.method_params("medusa")
-    tree = Tree.from_paths(params["tree_paths"]["paths"])
+    tree = export.method_config("medusa").tree_paths.tree()
     dec = export.decoder("target")
     prompt = export.tokenizer.encode("def read(path):\n    with open(path) as f:")
     rng = np.random.default_rng(0)
@@ -288,15 +287,15 @@ def test_heads_graph_and_tree_fill_match_pytorch(exports, medusa_exports, micro_
     from specdeploy.runtime.methods import build_drafter
 
     export = exports["pt"]
-    params = export.method_params("medusa")
-    drafter = build_drafter("medusa", export, params)
+    config = export.method_config("medusa")
+    drafter = build_drafter(export, config)
     spec = export.manifest.models["target"]
     heads = load_heads(BUILD / "test_models" / "medusa_random_pt", spec.hidden_size, spec.vocab_size)
     hidden = np.random.default_rng(5).standard_normal(spec.hidden_size).astype(np.float32)
     drafter.hidden = hidden
     proposal = drafter.propose(DecodeState([7], SamplingParams(), np.random.default_rng(0)))
     with torch.no_grad():
-        ref = heads.logits(torch.from_numpy(hidden)).topk(params["top_k"], -1).indices.numpy()
+        ref = heads.logits(torch.from_numpy(hidden)).topk(config.top_k, -1).indices.numpy()
     tree = proposal.tree
     assert proposal.tokens[0] == 7
     for i in range(1, tree.size):
@@ -450,5 +449,5 @@ def test_tune_tree_cli_writes_a_usable_tree(medusa_exports, exports, tmp_path):
     assert cal["positions"] > 20 and len(cal["acceptance"]["rates"]) == 4
     assert 1 <= len(doc["paths"]) <= 20
     # The runtime accepts it as a tree for this export (ranks within top-k, depth within heads).
-    params = exports["trained"].method_params("medusa", {"tree": str(out)})
-    assert params["tree_paths"]["paths"] == doc["paths"]
+    config = exports["trained"].method_config("medusa", {"tree": str(out)})
+    assert [list(p) for p in config.tree_paths.paths] == doc["paths"]

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import SpecDeployError
+from ..graph_contract import ModelRecord
+from ..kv_cache import NP_DTYPES
 from .device_memory import align_up
-from .errors import SpecDeployError
-from .kv_cache import NP_DTYPES
-from .manifest import ModelSpec
 
 
 def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -39,7 +39,7 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class DeviceKVCache:
-    def __init__(self, spec: ModelSpec, max_context: int, dtype: str, memory, scratch_tokens: int):
+    def __init__(self, spec: ModelRecord, max_context: int, dtype: str, memory, scratch_tokens: int):
         self.spec, self.memory = spec, memory
         self.np_dtype = np.dtype(NP_DTYPES[dtype])
         self.max_context = max_context

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .errors import SpecDeployError
+from ..errors import SpecDeployError
 
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
 _ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # cudaDeviceAttr

@@ -1,4 +1,4 @@
-"""Graph sessions. ONNX Runtime here; TensorRT lives in runtime/trt_backend.py."""
+"""ONNX Runtime sessions: providers, the process-wide thread pool, plain and in-place bound graphs."""
 
 from __future__ import annotations
 
@@ -6,59 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import SpecDeployError
+from ..errors import SpecDeployError
+from ..graph_contract import parse_kv_name, present_of
 
 ORT_PROVIDERS = {
     "ort-cpu": ["CPUExecutionProvider"],
     "ort-cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
     "ort-trt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
-
-
-def available_backends() -> list[str]:
-    import onnxruntime as ort
-
-    have = set(ort.get_available_providers())
-    out = [name for name, prov in ORT_PROVIDERS.items() if prov[0] in have]
-    try:
-        from . import trt_backend
-
-        if trt_backend.is_available():
-            out.append("trt")
-    except ImportError:
-        pass
-    return out
-
-
-def best_backend() -> str:
-    have = available_backends()
-    for name in ("trt", "ort-trt", "ort-cuda", "ort-cpu"):
-        if name in have:
-            return name
-    raise SpecDeployError("no usable backend: onnxruntime has no CPU provider?")
-
-
-def check_backend(name: str | None) -> str:
-    if name in (None, "auto"):
-        return best_backend()
-    known = list(ORT_PROVIDERS) + ["trt"]
-    if name not in known:
-        raise SpecDeployError(f"unknown backend {name!r} (choose from {', '.join(known)})")
-    have = available_backends()
-    if name not in have:
-        raise SpecDeployError(f"backend {name!r} is not available here: {_why_unavailable(name)} "
-                              f"(available: {', '.join(have) or 'none'})")
-    return name
-
-
-def _why_unavailable(name: str) -> str:
-    if name == "trt":
-        from .trt_backend import unavailable_reason
-
-        return unavailable_reason() or "TensorRT check failed"
-    provider = ORT_PROVIDERS[name][0]
-    hint = "install onnxruntime-gpu" if name == "ort-cuda" else "install an onnxruntime build with TensorRT"
-    return f"onnxruntime has no {provider} ({hint})"
 
 
 def use_shared_threads(threads: int | None = None) -> bool:
@@ -165,7 +120,7 @@ class InPlaceGraph:
 
         for name, buf in kv_buffers.items():
             bind(name, buf, False)
-            bind(name.replace("past_", "present_"), buf, True)
+            bind(present_of(name), buf, True)
         self.dynamic: set[str] = set()
         for i in self.session.get_inputs():
             if i.name in kv_buffers:
@@ -176,7 +131,7 @@ class InPlaceGraph:
             else:
                 self.dynamic.add(i.name)
         for o in self.session.get_outputs():
-            if not o.name.startswith("present_"):
+            if parse_kv_name(o.name) is None:
                 self.outputs[o.name] = np.zeros(o.shape, types[o.type])
                 bind(o.name, self.outputs[o.name], True)
 

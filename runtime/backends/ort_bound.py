@@ -18,15 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import ORT_PROVIDERS, session_options
+from ..errors import SpecDeployError
+from ..graph_contract import INPUT_IDS, KV_KINDS, POSITION_IDS, TREE_MASK, GraphRecord, parse_kv_name, past_name
+from ..manifest import Manifest
 from .device_decoder import DeviceDecoder
 from .device_memory import CudaMemory, HostMemory, cuda_unavailable_reason
-from .errors import SpecDeployError
-from .manifest import Manifest
+from .ort import ORT_PROVIDERS, session_options
+from .trt_profiles import graph_profile
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
               "tensor(bool)": np.bool_, "tensor(int32)": np.int32}
-FIXED_INPUTS = ("input_ids", "position_ids", "tree_mask")
+FIXED_INPUTS = (INPUT_IDS, POSITION_IDS, TREE_MASK)
 
 
 def iobinding_unavailable_reason(backend: str) -> str | None:
@@ -38,10 +40,8 @@ def iobinding_unavailable_reason(backend: str) -> str | None:
     return cuda_unavailable_reason()
 
 
-def _trt_ep_options(manifest: Manifest, graph, root: Path) -> dict:
+def _trt_ep_options(manifest: Manifest, graph: GraphRecord, root: Path) -> dict:
     """Explicit TensorRT-EP profiles so a growing past never triggers an engine rebuild."""
-    from ..engines.profiles import graph_profile  # pure module, no tensorrt import
-
     shapes = graph_profile(manifest, graph)
     fmt = lambda which: ",".join(f"{name}:{'x'.join(map(str, getattr(r, which)))}" for name, r in shapes.items())  # noqa: E731
     cache = root / "engines" / "ort-trt"
@@ -63,7 +63,7 @@ class OrtBoundDecoder(DeviceDecoder):
         opts = session_options(threads)
         self.sessions, self.bindings, self.graph_outputs = {}, {}, {}
         self.outputs: dict[str, tuple[int, tuple, np.dtype]] = {}  # name -> (device ptr, row shape, dtype)
-        for t, g in sorted(self.graph_specs.items()):
+        for t, g in sorted(self.graph_records.items()):
             providers = list(ORT_PROVIDERS[backend])
             if backend == "ort-trt":
                 providers[0] = (providers[0], _trt_ep_options(manifest, g, manifest.root))
@@ -88,10 +88,9 @@ class OrtBoundDecoder(DeviceDecoder):
         kv_dtype = self.cache.np_dtype
         kv_shape = (1, t, *self.cache.row_shape)
         for o in sess.get_outputs():
-            if o.name.startswith(("present_key.", "present_value.")):
-                kind = 0 if o.name.startswith("present_key.") else 1
-                layer = int(o.name.rsplit(".", 1)[1])
-                io.bind_output(o.name, dev, dev_id, kv_dtype, kv_shape, self.cache.present_ptr(layer, kind))
+            kv = parse_kv_name(o.name)
+            if kv is not None:
+                io.bind_output(o.name, dev, dev_id, kv_dtype, kv_shape, self.cache.present_ptr(kv.layer, kv.kind_index))
                 continue
             shape = tuple(o.shape)
             if len(shape) < 2 or not all(isinstance(d, int) for d in shape) or shape[:2] != (1, t):
@@ -111,17 +110,16 @@ class OrtBoundDecoder(DeviceDecoder):
             self.graph_outputs[t].append(o.name)
         return io
 
-    def _run(self, t, feeds, past, n):
+    def _execute(self, t, feeds, past, n):
         io = self.bindings[t]
         dev, dev_id = self.memory.device_type, self.memory.device_id
         for name in FIXED_INPUTS:
             io.bind_cpu_input(name, feeds[name])
         shape = (1, past, *self.cache.row_shape)
         for layer in range(self.spec.num_layers):
-            for kind, prefix in ((0, "past_key"), (1, "past_value")):
-                io.bind_input(f"{prefix}.{layer}", dev, dev_id, self.cache.np_dtype, shape,
-                              self.cache.past_ptr(layer, kind))
-        self._keep = feeds  # bound host inputs must outlive the run
+            for index, kind in enumerate(KV_KINDS):
+                io.bind_input(past_name(layer, kind), dev, dev_id, self.cache.np_dtype, shape,
+                              self.cache.past_ptr(layer, index))
         self.sessions[t].run_with_iobinding(io)
         out = {}
         for name in self.graph_outputs[t]:

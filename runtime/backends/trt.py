@@ -1,7 +1,7 @@
 """The "trt" backend: prebuilt TensorRT engines run with execute_async_v3.
 
 Engines come from `specdeploy engines OUT` (engines/builder.py) and are listed
-in OUT/engines.json; an engine whose ONNX or weights changed, or that was
+in OUT/engines.json (read with engine_records.py); an engine whose ONNX or weights changed, or that was
 built by another TensorRT version or for another GPU, is refused with a clear
 error (never silently used).
 
@@ -11,7 +11,7 @@ Per model, every tensor address is bound once, at load:
   step only changes the input *shape* ([1, P, kv_heads, head_dim]), never the
   address: the past is never copied;
 * `present_*` -> the cache's scratch rows; commit copies only accepted rows
-  device-to-device (runtime/device_kv.py);
+  device-to-device (runtime/backends/device_kv.py);
 * input_ids/position_ids/tree_mask and every other output -> preallocated device
   buffers shared by the model's graphs (calls never overlap).
 A step uploads the ids/positions/mask, runs, and downloads the first n rows of
@@ -28,10 +28,14 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..errors import SpecDeployError
+from ..graph_contract import INPUT_IDS, KV_KINDS, POSITION_IDS, TREE_MASK, parse_kv_name, past_name
+from ..manifest import Manifest
 from .device_decoder import DeviceDecoder
 from .device_memory import CudaMemory, cuda_runtime, cuda_unavailable_reason
-from .errors import SpecDeployError
-from .manifest import Manifest
+from .engine_records import file_digests, load_engines, stale_reasons
+
+FIXED_INPUTS = (INPUT_IDS, POSITION_IDS, TREE_MASK)
 
 
 @lru_cache(maxsize=None)
@@ -51,17 +55,6 @@ def unavailable_reason() -> str | None:
 
 def is_available() -> bool:
     return unavailable_reason() is None
-
-
-def engines_listed(manifest: Manifest) -> bool:
-    """Whether `specdeploy engines` recorded an engine for every decoder graph (cheap: no hashing)."""
-    from ..engines.engine_manifest import load_engines
-
-    try:
-        records = load_engines(manifest.root)["engines"]
-    except SpecDeployError:
-        return False
-    return all(name in records for name, g in manifest.trt_graphs().items() if g.kind == "decoder")
 
 
 def gpu_identity(device: int = 0) -> dict:
@@ -96,8 +89,6 @@ class TrtDecoder(DeviceDecoder):
         if reason:
             raise SpecDeployError(f"backend 'trt' is not available here: {reason}")
         import tensorrt as trt
-
-        from ..engines.engine_manifest import file_digests, load_engines, stale_reasons
 
         records = load_engines(manifest.root)["engines"]
         here = {"tensorrt": trt.__version__, **gpu_identity(device)}
@@ -169,17 +160,16 @@ class TrtDecoder(DeviceDecoder):
         for name in names:
             is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
             dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
-            prefix, _, idx = name.rpartition(".")
-            if prefix in ("past_key", "past_value", "present_key", "present_value"):
+            kv = parse_kv_name(name)
+            if kv is not None:
                 if dtype != self.cache.np_dtype:
                     raise SpecDeployError(f"engine tensor {name} is {dtype}, the export's KV cache is {self.cache.np_dtype}")
-                kind = 0 if prefix.endswith("key") else 1
-                ptr = (self.cache.past_ptr if is_input else self.cache.present_ptr)(int(idx), kind)
+                ptr = (self.cache.present_ptr if kv.present else self.cache.past_ptr)(kv.layer, kv.kind_index)
             elif is_input:
-                if name not in ("input_ids", "position_ids", "tree_mask"):
+                if name not in FIXED_INPUTS:
                     raise SpecDeployError(f"engine for T={t} has an unexpected input {name!r}")
                 # [1, T] ids/positions and the [1, T, T] mask, in buffers sized for the largest T.
-                rows = (max(self.sizes),) if name == "tree_mask" else ()
+                rows = (max(self.sizes),) if name == TREE_MASK else ()
                 ptr = self._buffer(name, rows, dtype)
             else:
                 shape = tuple(engine.get_tensor_shape(name))
@@ -190,15 +180,15 @@ class TrtDecoder(DeviceDecoder):
             if not context.set_tensor_address(name, ptr):
                 raise SpecDeployError(f"TensorRT refused the address of {name}")
 
-    def _run(self, t, feeds, past, n):
+    def _execute(self, t, feeds, past, n):
         context = self.contexts[t]
-        for name in ("input_ids", "position_ids", "tree_mask"):
+        for name in FIXED_INPUTS:
             self.memory.h2d(self.buffers[name][0], feeds[name])
         shape = (1, past, *self.cache.row_shape)
         for layer in range(self.spec.num_layers):
-            for prefix in ("past_key", "past_value"):
-                if not context.set_input_shape(f"{prefix}.{layer}", shape):
-                    raise SpecDeployError(f"TensorRT rejected past length {past} for {prefix}.{layer} "
+            for kind in KV_KINDS:
+                if not context.set_input_shape(past_name(layer, kind), shape):
+                    raise SpecDeployError(f"TensorRT rejected past length {past} for {past_name(layer, kind)} "
                                           f"(outside the engine's profile?)")
         if not context.execute_async_v3(self.memory.stream):
             detail = self.logger.errors[-1] if self.logger and self.logger.errors else "no detail"

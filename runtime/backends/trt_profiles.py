@@ -1,5 +1,7 @@
 """TensorRT optimization profiles from the export manifest (pure logic, no tensorrt import).
 
+The "trt" and "ort-trt" backends bind within them; engines/builder.py builds with them.
+
 A decoder graph has a static token count T and one dynamic dimension, the past
 length P of every `past_key.*`/`past_value.*` input ([1, P, kv_heads, head_dim]).
 Each engine gets one profile:
@@ -20,10 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..runtime.errors import SpecDeployError
-from ..runtime.manifest import GraphSpec, Manifest
-
-PAST_PREFIXES = ("past_key.", "past_value.")
+from ..errors import SpecDeployError
+from ..graph_contract import DECODER, INPUT_IDS, POSITION_IDS, TREE_MASK, GraphRecord, KVGeometry, is_past, past_names
+from ..manifest import Manifest
 
 
 class NoProfile(SpecDeployError):
@@ -52,14 +53,11 @@ def past_range(tokens: int, max_context: int) -> tuple[int, int, int]:
     return 0, opt, hi
 
 
-def decoder_profile(tokens: int, num_layers: int, kv_heads: int, head_dim: int, max_context: int) -> dict[str, ShapeRange]:
+def decoder_profile(tokens: int, geometry: KVGeometry, max_context: int) -> dict[str, ShapeRange]:
     fixed = lambda shape: ShapeRange(shape, shape, shape)  # noqa: E731
-    lo, opt, hi = past_range(tokens, max_context)
-    past = ShapeRange((1, lo, kv_heads, head_dim), (1, opt, kv_heads, head_dim), (1, hi, kv_heads, head_dim))
-    out = {"input_ids": fixed((1, tokens)), "position_ids": fixed((1, tokens)), "tree_mask": fixed((1, tokens, tokens))}
-    for layer in range(num_layers):
-        out[f"past_key.{layer}"] = past
-        out[f"past_value.{layer}"] = past
+    past = ShapeRange(*(geometry.past_shape(p) for p in past_range(tokens, max_context)))
+    out = {INPUT_IDS: fixed((1, tokens)), POSITION_IDS: fixed((1, tokens)), TREE_MASK: fixed((1, tokens, tokens))}
+    out.update((name, past) for name in past_names(geometry.num_layers))
     return out
 
 
@@ -76,7 +74,7 @@ def inputs_profile(inputs: dict[str, tuple], tokens: int, max_context: int) -> d
         if not dyn:
             out[name] = ShapeRange(tuple(shape), tuple(shape), tuple(shape))
             continue
-        if name.startswith(PAST_PREFIXES) and dyn == [1]:
+        if is_past(name) and dyn == [1]:
             mk = lambda p: tuple(p if i == 1 else d for i, d in enumerate(shape))  # noqa: E731
             out[name] = ShapeRange(mk(lo), mk(opt), mk(hi))
             continue
@@ -85,16 +83,15 @@ def inputs_profile(inputs: dict[str, tuple], tokens: int, max_context: int) -> d
     return out
 
 
-def graph_profile(manifest: Manifest, graph: GraphSpec | str, inputs: dict[str, tuple] | None = None) -> dict[str, ShapeRange]:
+def graph_profile(manifest: Manifest, graph: GraphRecord | str, inputs: dict[str, tuple] | None = None) -> dict[str, ShapeRange]:
     """The profile of one exported graph; `inputs` (name -> shape as the network sees it)
     is cross-checked against the manifest for decoders and is required for other kinds."""
     g = manifest.graphs[graph] if isinstance(graph, str) else graph
-    if g.kind != "decoder":
+    if g.kind != DECODER:
         if inputs is None:
             raise NoProfile(f"graph {g.name} ({g.kind}): its input shapes are needed to derive a profile")
         return inputs_profile(inputs, g.tokens, manifest.max_context)
-    spec = manifest.models[g.model]
-    prof = decoder_profile(g.tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim, manifest.max_context)
+    prof = decoder_profile(g.tokens, manifest.models[g.model].geometry, manifest.max_context)
     if inputs is not None:
         if set(inputs) != set(prof):
             extra, missing = sorted(set(inputs) - set(prof)), sorted(set(prof) - set(inputs))

@@ -22,72 +22,84 @@ verifier's deterministic-draft rule (runtime/verify.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import numpy as np
 
 from ..config import positive_int
 from ..errors import SpecDeployError
+from ..graph_contract import PORTABLE
 from ..tree import Tree
-from ..tree_files import resolve_tree
+from ..tree_files import TreePaths, config_tree, frozen_paths
 from .base import DecodeState, Drafter, Proposal
 from .eagle_head import EagleHeadRunner
 
 MODES = ("eagle2", "eagle1")
-KEYS = {"mode", "top_k", "depth", "total_tokens", "tree", "tree_paths", "draft_vocab"}
 
 
 # ---------------------------------------------------------------- config
 
 
-def validate(params: dict) -> dict:
-    unknown = set(params) - KEYS
-    if unknown:
-        raise SpecDeployError(f"config: unknown eagle settings {sorted(unknown)} (known: {sorted(KEYS - {'tree_paths'})})")
-    mode = params.get("mode", "eagle2")
-    if mode not in MODES:
-        raise SpecDeployError(f"config: eagle.mode must be one of {', '.join(MODES)}, got {mode!r}")
-    top_k = positive_int(params.get("top_k", 4), "eagle.top_k")
-    depth = positive_int(params.get("depth", 5), "eagle.depth")
-    total = positive_int(params.get("total_tokens", 16), "eagle.total_tokens")
-    most = top_k + (depth - 1) * top_k * top_k
-    if total > most:
-        raise SpecDeployError(f"config: eagle.total_tokens {total} exceeds the {most} candidates that top_k {top_k} "
-                              f"and depth {depth} produce")
-    if top_k > 64:
-        raise SpecDeployError(f"config: eagle.top_k must be <= 64, got {top_k}")
-    draft_vocab = params.get("draft_vocab", 0)
-    if draft_vocab != 0:
-        positive_int(draft_vocab, "eagle.draft_vocab (0: the full vocabulary)")
-    out = {"mode": mode, "top_k": top_k, "depth": depth, "total_tokens": total, "draft_vocab": draft_vocab}
-    spec = params.get("tree")
-    if spec is None and mode == "eagle1":
-        raise SpecDeployError("config: eagle.mode eagle1 needs eagle.tree (a name in configs/trees/, a .json file "
-                              "or a list of paths)")
-    if spec is not None:
-        # The manifest carries the resolved paths, so the runtime needs no tree files.
-        cached = params.get("tree_paths")
-        if isinstance(cached, dict) and cached.get("name") == (spec if isinstance(spec, str) else "inline"):
-            label, paths = cached["name"], cached["paths"]
-        else:
-            label, paths = resolve_tree(spec, "eagle.tree")
+@dataclass(frozen=True)
+class EagleConfig:
+    """Needs an EAGLE head: `specdeploy export --eagle DIR`. Verify T = total_tokens + 1 (eagle2)
+    or the static tree's nodes + 1 (eagle1)."""
+
+    method: ClassVar[str] = "eagle"
+
+    mode: str = "eagle2"  # eagle2: dynamic tree per step; eagle1: the static `tree`
+    top_k: int = 2  # candidates per expanded node; nodes expanded per level (eagle2)
+    depth: int = 6  # draft tree levels (head calls per step); upstream's depth + 1
+    # eagle2 nodes kept per step; CPU-sized: every head call reads the head's weights once, so few
+    # narrow levels win here
+    total_tokens: int = 8
+    # draft among the head's N most frequent tokens (its draft_vocab.json; 0: all); the LM head is
+    # most of a draft level's cost, verification is unchanged
+    draft_vocab: int = 1024
+    # eagle1's tree: configs/trees/NAME.json, a .json file or inline paths; None: eagle2 only.
+    # `specdeploy tune-tree OUT --method eagle` fits one
+    tree: str | tuple | None = "eagle1_mc_sim_7b_63"
+    tree_paths: TreePaths | None = field(default=None, metadata={"derived": True})  # `tree` resolved
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise SpecDeployError(f"config: eagle.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        top_k = positive_int(self.top_k, "eagle.top_k")
+        depth = positive_int(self.depth, "eagle.depth")
+        total = positive_int(self.total_tokens, "eagle.total_tokens")
+        most = top_k + (depth - 1) * top_k * top_k
+        if total > most:
+            raise SpecDeployError(f"config: eagle.total_tokens {total} exceeds the {most} candidates that top_k "
+                                  f"{top_k} and depth {depth} produce")
+        if top_k > 64:
+            raise SpecDeployError(f"config: eagle.top_k must be <= 64, got {top_k}")
+        if self.draft_vocab != 0:
+            positive_int(self.draft_vocab, "eagle.draft_vocab (0: the full vocabulary)")
+        if self.tree is None:
+            if self.mode == "eagle1":
+                raise SpecDeployError("config: eagle.mode eagle1 needs eagle.tree (a name in configs/trees/, a .json "
+                                      "file or a list of paths)")
+            object.__setattr__(self, "tree_paths", None)
+            return
+        label, paths = config_tree(self.tree, self.tree_paths, "eagle.tree")
         Tree.from_paths(paths, max_rank=64)
-        out["tree"] = spec if isinstance(spec, str) else [list(p) for p in paths]
-        out["tree_paths"] = {"name": label, "paths": [list(p) for p in paths]}
-    return out
+        resolved = TreePaths(label, frozen_paths(paths))
+        object.__setattr__(self, "tree", self.tree if isinstance(self.tree, str) else resolved.paths)
+        object.__setattr__(self, "tree_paths", resolved)
+
+    def static_tree(self) -> Tree | None:
+        return self.tree_paths.tree() if self.tree_paths else None
+
+    @property
+    def verify_tokens(self) -> int:
+        return len(self.tree_paths.paths) + 1 if self.mode == "eagle1" else self.total_tokens + 1
 
 
-def shown(params: dict) -> dict:
-    """The settings as the user wrote them (the resolved tree paths left out), for messages."""
-    return {k: v for k, v in params.items() if k != "tree_paths"}
-
-
-def static_tree(params: dict) -> Tree | None:
-    tp = params.get("tree_paths")
-    return Tree.from_paths(tp["paths"]) if tp else None
-
-
-def verify_tokens(params: dict) -> int:
-    p = validate(params)
-    return static_tree(p).size if p["mode"] == "eagle1" else p["total_tokens"] + 1
+def build(export, config: EagleConfig) -> EagleDrafter:
+    head = export.part("eagle", lambda: EagleHeadRunner(export.manifest, export.backend, export.threads,
+                                                        fused=export.flavor != PORTABLE))
+    return EagleDrafter(head, config)
 
 
 def _expand_sizes(tree: Tree) -> set[int]:
@@ -99,15 +111,14 @@ def _expand_sizes(tree: Tree) -> set[int]:
     return set(counts.values())
 
 
-def graph_plan(params: dict, prefill_chunk: int) -> dict:
+def graph_plan(config: EagleConfig, prefill_chunk: int) -> dict:
     """Static shapes of the head's graphs for this config (both modes, so either runs).
 
     catchup: accepted-path sizes (depth + 1 at most) and the prompt chunk;
     expand: nodes expanded per level; top_k: candidates each graph returns per row.
     """
-    p = validate(params)
-    catchup, expand, top_k = {p["depth"] + 1, prefill_chunk}, {p["top_k"]}, p["top_k"]
-    tree = static_tree(p)
+    catchup, expand, top_k = {config.depth + 1, prefill_chunk}, {config.top_k}, config.top_k
+    tree = config.static_tree()
     if tree is not None:
         catchup.add(int(tree.depth.max()) + 1)
         expand |= _expand_sizes(tree)
@@ -177,10 +188,10 @@ class EagleDrafter(Drafter):
     name = "eagle"
     deterministic = True
 
-    def __init__(self, head: EagleHeadRunner, params: dict):
+    def __init__(self, head: EagleHeadRunner, config: EagleConfig):
         self.head = head
-        self.mode, self.top_k, self.depth, self.total = params["mode"], params["top_k"], params["depth"], params["total_tokens"]
-        self.tree = static_tree(params) if self.mode == "eagle1" else None
+        self.mode, self.top_k, self.depth, self.total = config.mode, config.top_k, config.depth, config.total_tokens
+        self.tree = config.static_tree() if self.mode == "eagle1" else None
         self.levels: list[_StaticLevel] = []  # eagle1: one head call per level, masks precomputed
         if self.tree is not None:
             rows: dict[int, int] = {}
@@ -194,10 +205,6 @@ class EagleDrafter(Drafter):
                                   f"return {head.top_k} (re-export with this config)")
         self.feature_key = "features" if head.version == 3 else "hidden"
         self.feats: list[np.ndarray] = []  # target features not yet fed to the head, in position order
-        self.teacher: list[int] | None = None  # tree tuning: the whole greedy output, known in advance
-        configured = static_tree(params)
-        self.calibration_depth = max(self.depth, int(configured.depth.max()) if configured is not None else 0)
-        self.record: list[tuple[int, ...]] = []  # tree tuning: ranks of the true tokens per step
 
     # -- target features in ---------------------------------------------------
     def prefilled(self, out) -> None:
@@ -211,13 +218,13 @@ class EagleDrafter(Drafter):
         return f[rows]
 
     def start(self, state: DecodeState) -> None:
-        self.head.cache.length = 0
+        self.head.reset()
 
     def update(self, state, proposal, verdict, target_out) -> None:
         self.feats.append(self._features(target_out, verdict.path))
 
     # -- drafting ----------------------------------------------------------------
-    def _catch_up(self, state: DecodeState):
+    def catch_up(self, state: DecodeState):
         """Feed pending (token, feature) pairs; returns the last row's output, or None."""
         head = self.head
         feats = np.concatenate(self.feats) if self.feats else np.zeros((0, head.feature_dim), np.float32)
@@ -237,20 +244,21 @@ class EagleDrafter(Drafter):
         return last
 
     def propose(self, state: DecodeState) -> Proposal:
+        return self.draft(state, self.catch_up(state))
+
+    def draft(self, state: DecodeState, out) -> Proposal:
+        """The tree grown from the catch-up's last row (`out`; None: nothing to draft from)."""
         head = self.head
-        out = self._catch_up(state)
         root = state.tokens[-1]
         if out is None:
             return Proposal.root_only(root)
         committed = head.cache.length
-        if self.teacher is not None:
-            self._record_ranks(state, out, committed)
         try:
             if self.tree is None:
                 return self._grow_dynamic(root, out, committed)
             return self._grow_static(root, out, committed)
         finally:
-            head.cache.length = committed  # draft rows are dropped; the next catch-up overwrites them
+            head.rewind(committed)  # draft rows are dropped; the next catch-up overwrites them
 
     def _room(self, committed: int, rows: int) -> bool:
         return committed + rows <= self.head.max_context
@@ -269,7 +277,7 @@ class EagleDrafter(Drafter):
         frontier = pool.add(first.ids[-1, :k], -1, np.minimum(first.logprobs[-1, :k], 0.0), 1)
         feats = np.repeat(first.hidden[-1:], k, axis=0)
         for level in range(2, self.depth + 1):
-            if not self._room(committed + pool.rows, self.head.graph_for(width, k)):
+            if not self._room(committed + pool.rows, self.head.graph_for(k, width)):
                 break
             out = self._expand(pool, frontier, feats, committed)
             scores = pool.score[frontier][:, None] + np.minimum(out.logprobs[:, :k], 0.0)
@@ -291,7 +299,7 @@ class EagleDrafter(Drafter):
     def _grow_static(self, root: int, first, committed: int) -> Proposal:
         tree, width = self.tree, self.head.spec.hidden_size
         rows = sum(len(lv.nodes) for lv in self.levels)
-        if not self._room(committed + rows, max((self.head.graph_for(width, len(lv.nodes)) for lv in self.levels),
+        if not self._room(committed + rows, max((self.head.graph_for(len(lv.nodes), width) for lv in self.levels),
                                                 default=0)):
             return Proposal.root_only(root)
         tokens = np.empty(tree.size, np.int64)
@@ -307,60 +315,3 @@ class EagleDrafter(Drafter):
             tokens[lv.children] = out.ids[lv.source, lv.ranks]
             feat_in[lv.children] = out.hidden[lv.source]
         return Proposal(tree, tokens)
-
-    # -- tree tuning -------------------------------------------------------------
-    def _record_ranks(self, state: DecodeState, first, committed: int) -> None:
-        """Ranks of the true next tokens in the head's top-k, drafting along the true path."""
-        depths = self.calibration_depth
-        start = len(state.tokens)
-        truth = self.teacher[start : start + depths]
-        if len(truth) < depths:
-            return
-        pool, ranks = _Pool(depths, depths), []
-        ids, feat, parent = first.ids[-1], first.hidden[-1:], -1
-        try:
-            for depth, token in enumerate(truth, start=1):
-                hit = np.flatnonzero(ids == token)
-                if not len(hit):
-                    break
-                ranks.append(int(hit[0]))
-                if depth == depths or not self._room(committed + pool.rows, 1):
-                    break
-                node = pool.add([token], parent, 0.0, depth)
-                out = self._expand(pool, node, feat, committed)
-                ids, feat, parent = out.ids[0], out.hidden[:1], int(node[0])
-        finally:
-            self.head.cache.length = committed
-        self.record.append(tuple(ranks))
-
-
-
-def collect_calibration(export, prompts: list[list[int]], max_new_tokens: int):
-    """Greedy runs recording, per step, the ranks of the target's actual next tokens in the
-    head's top-k along the true path (tree tuning's input for a static EAGLE-1 tree)."""
-    from ..generate import Generation
-    from ..tree_tuning import AcceptanceStats, Calibration
-
-    params = export.method_params("eagle")
-    stats, matched, steps, side_s = None, [], 0, 0.0
-    for ids in prompts:
-        # The export's own mode drafts; the ranks are recorded along the true path either way.
-        plain = Generation(export, ids, method="eagle", max_new_tokens=max_new_tokens, ignore_eos=True)
-        plain.result()  # the target's greedy output, and the drafting cost per step
-        steps += plain.stats["target_calls"]
-        side_s += plain.stats["draft_s"] + plain.stats["host_s"]
-        gen = Generation(export, ids, method="eagle", max_new_tokens=max_new_tokens, ignore_eos=True)
-        gen.drafter.teacher = plain.state.tokens
-        gen.result()
-        drafter = gen.drafter
-        if stats is None:
-            stats = AcceptanceStats.empty(drafter.calibration_depth, drafter.head.top_k)
-        for ranks in drafter.record:
-            for d, r in enumerate(ranks):
-                stats.trials[d] += 1
-                stats.hits[d, r] += 1
-            if len(ranks) < drafter.calibration_depth:
-                stats.trials[len(ranks)] += 1  # tried, and the true token was not among the top-k
-            matched.append(ranks)
-    current = params["tree_paths"]["paths"] if params.get("tree_paths") else []
-    return Calibration(stats, matched, side_s / max(steps, 1), current)

@@ -1,6 +1,7 @@
 """The EAGLE head at run time: its static-T draft graphs plus its own KV cache.
 
-Graph I/O (`kind: eagle_draft`, static T, dynamic past P and mask width S):
+Graph I/O (`kind: eagle_draft`, runtime/graph_contract.eagle_draft_io; static T,
+dynamic past P and mask width S):
 in  input_ids [1,T] int64, features [1,T,F] float32 (F = the target feature width for
     catch-up graphs, the head's hidden size for expansion graphs; equal for EAGLE-1/2),
     position_ids [1,T], tree_mask [1,T,S] bool (row i vs the last S keys: earlier
@@ -8,18 +9,23 @@ in  input_ids [1,T] int64, features [1,T,F] float32 (F = the target feature widt
     past_value.{i} [1,P,kv_heads,head_dim]
 out topk_logprobs [1,T,K] float32, topk_ids [1,T,K] int64 (target vocabulary ids),
     hidden [1,T,H] float32 (the next features), present_key.{i} / present_value.{i}.
+
+Draft rows are committed past the accepted ones while a tree grows, then dropped
+with `rewind(committed)`: the next catch-up overwrites them.
 """
 
 from __future__ import annotations
 
-import bisect
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends import ORT_PROVIDERS, InPlaceGraph, OrtGraph, available_backends
+from ..backends.availability import available_backends
+from ..backends.ort import ORT_PROVIDERS, InPlaceGraph, OrtGraph
+from ..decoder import StaticCall, StaticDecoder, smallest_fit
 from ..errors import SpecDeployError
+from ..graph_contract import (EAGLE, EAGLE_DRAFT, FEATURES, FUSED, HIDDEN, PAST_LENGTH, PORTABLE, TOPK_IDS,
+                              TOPK_LOGPROBS, present_names)
 from ..kv_cache import KVCache
 from ..manifest import Manifest
 
@@ -32,85 +38,62 @@ class HeadOutput:
     presents: list[np.ndarray]
 
 
-class EagleHeadRunner:
-    """`fused`: run the head's fused graphs (ORT CPU), which write its KV cache in place."""
+class EagleHeadRunner(StaticDecoder):
+    """`fused`: run the head's fused graphs (ORT CPU), which write its KV cache in place.
+
+    graph_for(n) and `sizes` are the expansion graphs' (features of the head's hidden size);
+    graph_for(n, width) those reading `width`-wide features (EAGLE-3 catch-up)."""
 
     def __init__(self, manifest: Manifest, backend: str = "ort-cpu", threads: int | None = None,
                  fused: bool = False):
-        if "eagle" not in manifest.models:
+        if EAGLE not in manifest.models:
             raise SpecDeployError("method 'eagle' needs an EAGLE head: export with --eagle DIR")
-        self.spec = spec = manifest.models["eagle"]
+        self.spec = spec = manifest.models[EAGLE]
         self.version = int(spec.extra.get("eagle_version", 1))
         self.feature_dim = int(spec.extra["feature_dim"])
         self.top_k = int(spec.extra["top_k"])
-        self.max_context = manifest.max_context
         if backend not in ORT_PROVIDERS:  # TensorRT engines cover the target; the small head runs on ORT
             backend = "ort-cuda" if "ort-cuda" in available_backends() else "ort-cpu"
-        flavor = "fused" if fused and backend == "ort-cpu" else "portable"
-        self.fused = flavor == "fused" and any(g.model == "eagle" and g.flavor == "fused"
-                                               for g in manifest.graphs.values())
-        if not self.fused:
-            flavor = "portable"
-        self.cache = KVCache(spec, manifest.max_context, manifest.dtype, in_place=self.fused)
-        buffers = {f"past_{kind}.{layer}": bufs[layer] for kind, bufs in (("key", self.cache.keys),
-                   ("value", self.cache.values)) for layer in range(spec.num_layers)}
+        self.fused = fused and backend == "ort-cpu" and bool(manifest.graphs_of(EAGLE_DRAFT, EAGLE, FUSED))
+        cache = KVCache(spec, manifest.max_context, manifest.dtype, in_place=self.fused)
+        buffers = cache.buffers() if self.fused else None
         self.graphs: dict[int, dict[int, OrtGraph | InPlaceGraph]] = {}  # feature width -> T -> graph
-        for g in manifest.graphs.values():
-            if g.model == "eagle" and g.kind == "eagle_draft" and g.flavor == flavor:
-                width = int(g.extra["features"])
-                path = manifest.graph_path(g)
-                self.graphs.setdefault(width, {})[g.tokens] = (
-                    InPlaceGraph(path, threads, buffers) if self.fused else OrtGraph(path, backend, threads))
+        for g in manifest.graphs_of(EAGLE_DRAFT, EAGLE, FUSED if self.fused else PORTABLE):
+            path = manifest.graph_path(g)
+            self.graphs.setdefault(g.features, {})[g.tokens] = (
+                InPlaceGraph(path, threads, buffers) if self.fused else OrtGraph(path, backend, threads))
         for width in {self.feature_dim, spec.hidden_size}:
             if width not in self.graphs:
                 raise SpecDeployError(f"export has no EAGLE draft graph reading {width}-wide features (re-export)")
-        self.sizes = {w: sorted(gs) for w, gs in self.graphs.items()}
-        self.calls, self.seconds = 0, 0.0
+        self.sizes_by_width = {w: sorted(gs) for w, gs in self.graphs.items()}
+        super().__init__(cache, self.sizes_by_width[spec.hidden_size], manifest.max_context, "EAGLE draft")
+        self.inputs = {(w, t): StaticCall(t) for w, sizes in self.sizes_by_width.items() for t in sizes}
+        self.presents = present_names(spec.num_layers)
 
-    def graph_for(self, width: int, n: int) -> int:
-        sizes = self.sizes[width]
-        i = bisect.bisect_left(sizes, n)
-        if i == len(sizes):
-            raise SpecDeployError(f"no EAGLE draft graph holds {n} tokens (exported sizes: {sizes})")
-        return sizes[i]
+    def graph_for(self, n: int, width: int | None = None) -> int:
+        return smallest_fit(self.sizes if width is None else self.sizes_by_width[width], n, self.what)
 
     def max_tokens(self, width: int) -> int:
-        return self.sizes[width][-1]
+        return self.sizes_by_width[width][-1]
 
     def forward(self, tokens, features: np.ndarray, positions, mask: np.ndarray) -> HeadOutput:
         """n rows after the cached past; `mask` is [n, D + n]: the last D cached rows (earlier
         draft levels) and the n new rows. Nothing is committed."""
         n, width = len(tokens), features.shape[-1]
-        t = self.graph_for(width, n)
-        d = mask.shape[1] - n
-        if self.cache.length + t > self.max_context:
-            raise SpecDeployError(f"EAGLE head context full: {self.cache.length} + {t} > {self.max_context}")
-        ids = np.zeros((1, t), np.int64)
-        ids[0, :n] = tokens
-        feats = np.zeros((1, t, width), np.float32)
-        feats[0, :n] = features
-        pos = np.empty((1, t), np.int64)
-        pos[0, :n] = positions
-        pos[0, n:] = pos[0, n - 1]
-        full = np.zeros((1, t, d + t), bool)
-        full[0, :n, : d + n] = mask
-        full[0, np.arange(n, t), d + np.arange(n, t)] = True  # padding rows see only themselves
-        feeds = {"input_ids": ids, "features": feats, "position_ids": pos, "tree_mask": full}
+        t = self.graph_for(n, width)
+        self._check_room(t)
+        feeds = dict(self.inputs[width, t].fill(tokens, positions, mask, self.cache.length,
+                                                **{FEATURES: np.asarray(features, np.float32)}))
         if self.fused:
-            feeds["past_length"] = self.cache.length
+            feeds[PAST_LENGTH] = self.cache.length
         else:
-            for layer in range(self.spec.num_layers):
-                feeds[f"past_key.{layer}"], feeds[f"past_value.{layer}"] = self.cache.past(layer)
-        start = time.perf_counter()
-        out = self.graphs[width][t].run(feeds)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
+            feeds.update(self.cache.past_feeds())
+        out = self._timed(self.graphs[width][t].run, feeds)
         if self.fused:  # bound output arrays are reused by the next call: copy the real rows
-            return HeadOutput(out["topk_logprobs"][0, :n].copy(), out["topk_ids"][0, :n].copy(),
-                              out["hidden"][0, :n].copy(), [])
-        presents = [out[f"present_{kind}.{layer}"] for layer in range(self.spec.num_layers)
-                    for kind in ("key", "value")]
-        return HeadOutput(out["topk_logprobs"][0, :n], out["topk_ids"][0, :n], out["hidden"][0, :n], presents)
+            return HeadOutput(out[TOPK_LOGPROBS][0, :n].copy(), out[TOPK_IDS][0, :n].copy(),
+                              out[HIDDEN][0, :n].copy(), [])
+        return HeadOutput(out[TOPK_LOGPROBS][0, :n], out[TOPK_IDS][0, :n], out[HIDDEN][0, :n],
+                          [out[name] for name in self.presents])
 
     def commit(self, out: HeadOutput, rows) -> None:
         self.cache.commit(out.presents, rows)

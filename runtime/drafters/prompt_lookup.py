@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
 from ..config import positive_int
@@ -10,23 +13,31 @@ from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
 
 
-KEYS = ("k", "max_ngram", "min_ngram")
+@dataclass(frozen=True)
+class PromptLookupConfig:
+    method: ClassVar[str] = "prompt-lookup"
+
+    k: int = 14  # tokens copied per proposal; copying is free and a no-match step verifies the root
+    #              alone, so a long k costs only on partial matches: +13% (code) / +42% (grounded)
+    #              over k=4 (verify T = k + 1, the lookahead graph's size)
+    max_ngram: int = 3  # longest suffix n-gram matched first
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        positive_int(self.k, "prompt-lookup.k")
+        positive_int(self.max_ngram, "prompt-lookup.max_ngram")
+        positive_int(self.min_ngram, "prompt-lookup.min_ngram")
+        if self.min_ngram > self.max_ngram:
+            raise SpecDeployError(f"config: prompt-lookup.min_ngram ({self.min_ngram}) exceeds max_ngram "
+                                  f"({self.max_ngram})")
+
+    @property
+    def verify_tokens(self) -> int:
+        return self.k + 1
 
 
-def validate(params: dict) -> dict:
-    unknown = sorted(set(params) - set(KEYS))
-    if unknown:
-        raise SpecDeployError(f"config: unknown prompt-lookup keys {unknown} (expected {', '.join(KEYS)})")
-    k = positive_int(params.get("k", 4), "prompt-lookup.k")
-    max_n = positive_int(params.get("max_ngram", 3), "prompt-lookup.max_ngram")
-    min_n = positive_int(params.get("min_ngram", 1), "prompt-lookup.min_ngram")
-    if min_n > max_n:
-        raise SpecDeployError(f"config: prompt-lookup.min_ngram ({min_n}) exceeds max_ngram ({max_n})")
-    return {"k": k, "max_ngram": max_n, "min_ngram": min_n}
-
-
-def verify_tokens(params: dict) -> int:
-    return validate(params)["k"] + 1
+def build(export, config: PromptLookupConfig) -> PromptLookupDrafter:
+    return PromptLookupDrafter(config.k, config.max_ngram, config.min_ngram)
 
 
 def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:

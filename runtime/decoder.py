@@ -1,0 +1,169 @@
+"""The decoder interface: static-T graphs over one KV cache, as the generator and drafters see them.
+
+Every model runner is a StaticDecoder: the target/draft decoders (`Decoder`, on
+ONNX Runtime in backends/ort_decoder.py, device-resident in backends/device_decoder.py)
+and the EAGLE head (drafters/eagle_head.py, whose rows also carry features).
+
+* graph_for(n): the smallest exported static token count T that holds n rows;
+* forward(...): scores n rows after the cached past, padded to T by StaticCall; commits nothing;
+* commit(step, rows): appends the chosen rows of the latest step to the cache;
+* rewind(length): forgets cached rows past `length` (nothing is cleared: the next step overwrites them);
+* cache.length: rows committed; calls / seconds: graph calls and the time spent in them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import SpecDeployError
+from .graph_contract import INPUT_IDS, POSITION_IDS, PORTABLE, TREE_MASK, ModelRecord
+
+
+@functools.lru_cache(maxsize=64)
+def _eye(t: int) -> np.ndarray:
+    return np.eye(t, dtype=bool)
+
+
+class StaticCall:
+    """The per-row inputs of one static-T graph, reused across calls: input_ids and
+    position_ids [1, T], tree_mask [1, T, S], and any other per-row input (features).
+
+    A call of n <= T rows fills the first n and pads the rest: token 0, the last real
+    position, zeros, and a mask row that sees only itself, while no real row sees a
+    padding row, so padding changes no real row's output. The mask's last T columns are
+    the new rows; S - T columns before them are cached rows the mask also decides
+    (the EAGLE head's earlier draft levels); every key before those is visible.
+    `arrays` may be a graph's bound input arrays (filled in place).
+    """
+
+    def __init__(self, tokens: int, arrays: dict[str, np.ndarray] | None = None):
+        self.tokens = tokens
+        self.arrays = arrays if arrays is not None else {
+            INPUT_IDS: np.zeros((1, tokens), np.int64), POSITION_IDS: np.zeros((1, tokens), np.int64),
+            TREE_MASK: np.zeros((1, tokens, tokens), bool)}
+
+    def fill(self, tokens, positions, mask: np.ndarray, past_length: int, **rows: np.ndarray) -> dict[str, np.ndarray]:
+        """`mask` is [n, D + n]: the D cached rows it decides, then the n new rows."""
+        t, n = self.tokens, len(tokens)
+        cached = mask.shape[1] - n
+        ids = self.arrays[INPUT_IDS][0]
+        ids[:n] = tokens
+        ids[n:] = 0
+        pos = self.arrays[POSITION_IDS][0]
+        pos[:n] = positions
+        pos[n:] = positions[-1] if n else past_length
+        if self.arrays[TREE_MASK].shape[2] != cached + t:
+            self.arrays[TREE_MASK] = np.zeros((1, t, cached + t), bool)
+        full = self.arrays[TREE_MASK][0]
+        full[:n, : cached + n] = mask
+        if n < t:
+            full[:n, cached + n :] = False
+            full[n:, :cached] = False
+            full[n:, cached:] = _eye(t)[n:]
+        for name, values in rows.items():
+            arr = self.arrays.get(name)
+            if arr is None or arr.shape[2:] != values.shape[1:]:
+                arr = self.arrays[name] = np.zeros((1, t, *values.shape[1:]), values.dtype)
+            arr[0, :n] = values
+            arr[0, n:] = 0
+        return self.arrays
+
+
+def smallest_fit(sizes: list[int], n: int, what: str) -> int:
+    """The smallest static token count in sorted `sizes` that holds n rows."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise SpecDeployError(f"no {what} graph holds {n} tokens (exported sizes: {sizes})")
+    return sizes[i]
+
+
+class StaticDecoder:
+    """What every model runner shares (see the module docstring); subclasses add forward and commit."""
+
+    def __init__(self, cache, sizes, max_context: int, what: str):
+        self.cache = cache
+        self.sizes = sorted(sizes)
+        self.max_context = max_context
+        self.what = what  # names the model in messages
+        self.calls = 0
+        self.seconds = 0.0
+
+    def graph_for(self, n: int) -> int:
+        return smallest_fit(self.sizes, n, self.what)
+
+    def rewind(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    def reset(self) -> None:
+        self.rewind(0)
+
+    def _check_room(self, t: int) -> None:
+        if self.cache.length + t > self.max_context:
+            raise SpecDeployError(f"{self.what} context full: {self.cache.length} cached + {t} new tokens exceed "
+                                  f"max_context {self.max_context}")
+
+    def _timed(self, run, *args):
+        start = time.perf_counter()
+        out = run(*args)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
+@dataclass
+class StepOutput:
+    logits: np.ndarray  # [n, vocab] float32, real (unpadded) tokens only
+    hidden: np.ndarray  # [n, hidden] float32
+    presents: list[np.ndarray]  # per layer key, value: [1, T, kv_heads, head_dim]; empty when the cache was written in place
+    features: np.ndarray | None = None
+
+
+class Decoder(StaticDecoder):
+    """A target or draft model: rows are tokens at positions. Backends implement `_run`
+    (one padded static-T call -> StepOutput of the n real rows) and `commit`."""
+
+    flavor = PORTABLE
+
+    def __init__(self, record: ModelRecord, cache, sizes, max_context: int):
+        super().__init__(cache, sizes, max_context, record.name)
+        self.spec = record
+        self.inputs = {t: StaticCall(t) for t in self.sizes}
+
+    @property
+    def fused(self) -> bool:
+        return self.flavor != PORTABLE
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> StepOutput:
+        """Score n new tokens after the cached past; `mask` is [n, n] (row sees column)."""
+        t = self.graph_for(len(tokens))
+        self._check_room(t)
+        feeds = self.inputs[t].fill(tokens, positions, mask, self.cache.length)
+        return self._timed(self._run, t, feeds, len(tokens))
+
+    def _run(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
+        raise NotImplementedError
+
+    def commit(self, step: StepOutput, rows) -> None:
+        raise NotImplementedError
+
+    def prefill(self, tokens: list[int] | np.ndarray, chunk: int, on_chunk=None) -> StepOutput | None:
+        """Process and commit tokens causally in chunks of the prefill graph's size.
+
+        `on_chunk(step)` sees every chunk's output (EAGLE reads the prompt's features).
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        last = None
+        for s in range(0, len(tokens), chunk):
+            piece = tokens[s : s + chunk]
+            start = self.cache.length
+            n = len(piece)
+            last = self.forward(piece, np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)))
+            self.commit(last, slice(0, n))
+            if on_chunk is not None:
+                on_chunk(last)
+        return last

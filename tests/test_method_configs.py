@@ -1,0 +1,136 @@
+"""The method registry and its typed configs (no model build): the dataclass defaults are the
+shipped defaults, validation is one clear error, unknown keys are rejected uniformly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from specdeploy.runtime.config import ExportConfig, load_export_config, to_dict, with_overrides
+from specdeploy.runtime.errors import SpecDeployError
+from specdeploy.runtime.methods import REGISTRY, build_drafter, known_methods, method_spec, validate_methods
+
+# The measured, shipped defaults (what configs/default.yaml held before the dataclasses did).
+SHIPPED = {
+    "ar": {},
+    "draft": {"k": 8},
+    "prompt-lookup": {"k": 14, "max_ngram": 3, "min_ngram": 1},
+    "lookahead": {"window": 3, "ngram": 4, "guesses": 2},
+    "eagle": {"mode": "eagle2", "top_k": 2, "depth": 6, "total_tokens": 8, "draft_vocab": 1024,
+              "tree": "eagle1_mc_sim_7b_63"},
+    "medusa": {"heads": 4, "tree": "medusa_cpu_8", "draft_vocab": 1024},
+}
+VERIFY_TOKENS = {"ar": 1, "draft": 9, "prompt-lookup": 15, "lookahead": 15, "eagle": 9, "medusa": 9}
+
+
+def test_registry_lists_every_method_once():
+    assert known_methods() == ["ar", "draft", "prompt-lookup", "lookahead", "eagle", "medusa"]
+    assert all(name == spec.config.method for name, spec in REGISTRY.items())
+    assert {n for n, s in REGISTRY.items() if s.export_input} == {"draft", "eagle", "medusa"}
+    assert {n for n, s in REGISTRY.items() if s.calibrate} == {"eagle", "medusa"}
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_defaults_are_the_shipped_values(name):
+    config = method_spec(name).config()
+    data = to_dict(config)
+    assert {k: data[k] for k in SHIPPED[name]} == SHIPPED[name]
+    assert config.verify_tokens == VERIFY_TOKENS[name]
+    assert method_spec(name).parse(data) == config  # the manifest's form reads back to the same config
+
+
+def test_export_defaults_and_overrides(tmp_path):
+    assert ExportConfig() == ExportConfig(max_context=512, prefill_chunk=64)
+    cfg, overrides = load_export_config()
+    assert cfg == ExportConfig() and overrides == {}  # configs/default.yaml overrides nothing
+    user = tmp_path / "user.yaml"
+    user.write_text("max_context: 256\nmethods:\n  draft: {k: 4}\n  lookahead: {window: 5}\n")
+    cfg, overrides = load_export_config(user)
+    assert cfg == ExportConfig(256, 64)
+    methods = validate_methods(overrides)
+    assert methods["draft"].k == 4 and methods["lookahead"].verify_tokens == 3 * (5 + 2)
+    user.write_text("prefill_chunk: 0\n")
+    with pytest.raises(SpecDeployError, match=r"config: prefill_chunk must be an integer >= 1, got 0"):
+        load_export_config(user)
+
+
+@pytest.mark.parametrize("name,key", [(n, k) for n in SHIPPED for k in ("bogus", "tree_path")])
+def test_unknown_key_is_rejected_by_every_method(name, key):
+    with pytest.raises(SpecDeployError) as err:
+        method_spec(name).parse({key: 1})
+    assert f"config: unknown {name} keys ['{key}'] (known: " in str(err.value)
+
+
+@pytest.mark.parametrize("name,params,needle", [
+    ("draft", {"k": 0}, "config: draft.k must be an integer >= 1, got 0"),
+    ("draft", {"k": True}, "draft.k must be an integer"),
+    ("prompt-lookup", {"k": "4"}, "prompt-lookup.k must be an integer >= 1, got '4'"),
+    ("prompt-lookup", {"max_ngram": 2, "min_ngram": 3}, "min_ngram (3) exceeds max_ngram (2)"),
+    ("lookahead", {"ngram": 1}, "lookahead.ngram must be an integer >= 2, got 1"),
+    ("eagle", {"mode": "eagle3"}, "eagle.mode must be one of eagle2, eagle1"),
+    ("eagle", {"mode": "eagle1", "tree": None}, "eagle.mode eagle1 needs eagle.tree"),
+    ("eagle", {"top_k": 65, "total_tokens": 8}, "eagle.top_k must be <= 64"),
+    ("medusa", {"heads": 2, "tree": [[0], [0, 0], [0, 0, 0]]}, "deeper than the 2 levels"),
+    ("medusa", {"top_k": 1}, "needs top_k >= 3, but medusa.top_k is 1"),
+    ("medusa", {"draft_vocab": 2}, "medusa.draft_vocab 2 is smaller than top_k 3"),
+])
+def test_bad_value_is_one_clear_error(name, params, needle):
+    with pytest.raises(SpecDeployError) as err:
+        method_spec(name).parse(params)
+    assert needle in str(err.value)
+
+
+def test_unknown_method():
+    with pytest.raises(SpecDeployError, match="unknown method 'telepathy' \\(choose from ar, draft, "):
+        validate_methods({"telepathy": {}})
+
+
+def test_verify_tokens_follow_the_config():
+    assert method_spec("draft").parse({"k": 3}).verify_tokens == 4
+    assert method_spec("prompt-lookup").parse({"k": 5}).verify_tokens == 6
+    assert method_spec("lookahead").parse({"window": 4, "ngram": 3, "guesses": 1}).verify_tokens == 2 * 5
+    eagle = method_spec("eagle").parse({"total_tokens": 5})
+    assert eagle.verify_tokens == 6
+    assert with_overrides(eagle, {"mode": "eagle1", "tree": [[0], [1], [0, 0]]}, "eagle").verify_tokens == 4
+    assert method_spec("medusa").parse({"tree": [[0], [1], [0, 0], [0, 1]]}).verify_tokens == 5
+
+
+def test_trees_resolve_once_and_travel_in_the_manifest():
+    medusa = method_spec("medusa").parse({"tree": [[0], [2], [0, 0]]})
+    assert medusa.top_k == 3 and medusa.tree == ((0,), (2,), (0, 0))  # frozen: inline paths become tuples
+    data = to_dict(medusa)
+    assert data["tree"] == [[0], [2], [0, 0]] and data["tree_paths"] == {"name": "inline", "paths": data["tree"]}
+    json.dumps(data)
+    # A named tree is read from the manifest's resolved copy, not from configs/trees/.
+    named = {**to_dict(method_spec("medusa").config()), "tree": "gone", "tree_paths": {"name": "gone",
+                                                                                   "paths": [[0], [1]]}}
+    assert method_spec("medusa").parse(named).verify_tokens == 3
+    # An override naming another tree resolves it again.
+    assert with_overrides(method_spec("medusa").parse(named), {"tree": "medusa_cpu_8"}, "medusa").verify_tokens == 9
+
+
+def test_build_drafter_refuses_a_config_bigger_than_the_export():
+    class Target:
+        sizes = (1, 15)
+
+    class Export:
+        def decoder(self, model):
+            return Target()
+
+    with pytest.raises(SpecDeployError) as err:
+        build_drafter(Export(), method_spec("draft").parse({"k": 20}))
+    assert str(err.value) == ("method 'draft' with k=20 needs a target graph of 21 tokens; "
+                              "this export's largest is 15 (re-export with this config)")
+    inline = method_spec("medusa").parse({"tree": [[r] for r in range(20)]})
+    with pytest.raises(SpecDeployError, match=r"tree=<20 inline entries>, top_k=20, draft_vocab=1024 needs"):
+        build_drafter(Export(), inline)
+
+
+def test_generate_help_lists_the_registry():
+    proc = run_cli("generate", "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "ar | draft | prompt-lookup | lookahead | eagle | medusa" in text
+    assert "lookahead: window, ngram, guesses" in text
