@@ -37,7 +37,7 @@ from .errors import ApiError, bad_request, busy, error_body, internal
 from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
-from .schemas import ChatRequest, CompletionRequest, parse_json, stop_strings, validate
+from .schemas import ChatRequest, CompletionRequest, parse_json, served_schema, stop_strings, validate
 from .security import AccessGuardMiddleware, RequestIdMiddleware
 from .template_sandbox import TemplateFailure, TemplateSandbox, TemplateTimeout
 
@@ -332,13 +332,25 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def openapi_schema(app: FastAPI) -> dict:
-    """The app's OpenAPI document with the request bodies the endpoints validate by hand."""
+def openapi_schema(app: FastAPI, server: Server) -> dict:
+    """The app's OpenAPI document with the request bodies the endpoints validate by hand, narrowed
+    to what this server serves: its one model, its methods, its --max-tokens."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for path, model in REQUEST_BODIES.items():
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        body = served_schema(model)
         components.update(body.pop("$defs", {}))
+        fields = body["properties"]
+        fields["model"] = {**fields["model"], "enum": [server.model_name]}
+        if "prompt" in fields:
+            vocab = server.service.meta.manifest.models["target"].vocab_size
+            fields["prompt"]["anyOf"][1]["items"]["maximum"] = vocab - 1
+        fields["method"] = {"anyOf": [{"type": "string", "enum": list(server.service.methods)}, {"type": "null"}]}
+        if server.limits.max_tokens is not None:
+            for name in ("max_tokens", "max_completion_tokens"):
+                if name in fields:
+                    fields[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": server.limits.max_tokens},
+                                              {"type": "null"}]}
         components[model.__name__] = body
         schema["paths"][path]["post"]["requestBody"] = {
             "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
@@ -412,7 +424,7 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi():
         if not document:
-            document.append(openapi_schema(app))
+            document.append(openapi_schema(app, server))
         return document[0]
 
     def model_card() -> dict:

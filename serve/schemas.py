@@ -33,7 +33,9 @@ class _Common(BaseModel):
     n: Optional[int] = Field(None, ge=1)
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    stop: Any = None  # a string or a list of strings: checked by hand for a clear message
+    # Fields typed Any are checked by hand for a clear message; their OpenAPI schema says what is accepted.
+    stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                                                          {"type": "null"}]})
     seed: Optional[int] = Field(None, ge=0)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
@@ -53,7 +55,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Any  # a string, a list of token ids, or a one-element list of either
+    prompt: Any = Field(json_schema_extra={"anyOf": [  # a string, token ids, or a one-element list of either
+        {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]})
     echo: Optional[bool] = None
     logprobs: Optional[int] = None
     best_of: Optional[int] = None
@@ -67,7 +70,9 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
-    content: Any = None  # a string or a list of {"type": "text", "text": ...} parts
+    content: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "null"}, {
+        "type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                   "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})
 
 
 class ChatRequest(_Common):
@@ -84,6 +89,35 @@ class ChatRequest(_Common):
         return super().unsupported() + [("logprobs", bool(self.logprobs)), ("top_logprobs", bool(self.top_logprobs)),
                                         ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none", "auto")),
                                         ("response_format", fmt != "text")]
+
+
+# What the OpenAPI document allows for the fields `unsupported()` refuses otherwise.
+_NULL = {"type": "null"}
+SERVED_VALUES = {
+    "n": {"anyOf": [{"const": 1}, _NULL]},
+    "presence_penalty": {"anyOf": [{"const": 0}, _NULL]},
+    "frequency_penalty": {"anyOf": [{"const": 0}, _NULL]},
+    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
+    "echo": {"anyOf": [{"const": False}, _NULL]},
+    "best_of": {"anyOf": [{"const": 1}, _NULL]},
+    "suffix": {"anyOf": [{"const": ""}, _NULL]},
+    "top_logprobs": {"anyOf": [{"const": 0}, _NULL]},
+    "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, _NULL]},
+    "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, _NULL]},
+}
+SERVED_LOGPROBS = {CompletionRequest: _NULL, ChatRequest: {"anyOf": [{"const": False}, _NULL]}}
+
+
+def served_schema(model_cls: type[_Common]) -> dict:
+    """The request body's JSON schema, narrowed to the values this server serves ($defs inline)."""
+    schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
+    fields = schema["properties"]
+    for name, allowed in SERVED_VALUES.items():
+        if name in fields:
+            fields[name] = allowed
+    fields["logprobs"] = SERVED_LOGPROBS[model_cls]
+    return schema
 
 
 def parse_json(raw: bytes) -> Any:

@@ -1,0 +1,123 @@
+"""Chat end to end: the tokenizer's template in each form transformers writes, one renderer for the
+CLI (`generate --chat`) and the server, both equal to transformers' own apply_chat_template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import run_cli
+from serve_util import ServerProcess, clone_export
+
+# SmolLM2-Instruct's ChatML template (a default system turn when the conversation has none).
+CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Llama-style: BOS from the tokenizer config, assistant turns marked with transformers' {% generation %} tag.
+LLAMA_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}[A] {{ m['content'] | trim }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}[{{ m['role'] | upper }}] {{ m['content'] | tojson }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}[A] {% endif %}"
+)
+SYSTEM, USER = "You write short Python.", "Print hello, then exit."
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
+            {"role": "assistant", "content": " print('hello') "}, {"role": "user", "content": "Now in C."}]
+FORMS = ["jinja", "json", "config", "config_list"]
+
+
+def tokenizer_dir_with(src: Path, dst: Path, template: str, form: str) -> Path:
+    shutil.copytree(src, dst)
+    config_path = dst / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if form == "jinja":  # transformers >= 4.50
+        (dst / "chat_template.jinja").write_text(template)
+    elif form == "json":  # the processor layout
+        (dst / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    elif form == "config":  # older tokenizers
+        config["chat_template"] = template
+    else:  # named templates: "default" is the chat template
+        config["chat_template"] = [{"name": "tool_use", "template": "{{ 'tools' }}"},
+                                   {"name": "default", "template": template}]
+    config_path.write_text(json.dumps(config))
+    return dst
+
+
+def transformers_render(tokenizer_dir: Path, messages: list[dict], tokenize: bool = False):
+    from transformers import AutoTokenizer
+
+    out = AutoTokenizer.from_pretrained(str(tokenizer_dir)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=tokenize)
+    return list(out["input_ids"] if hasattr(out, "keys") else out) if tokenize else out
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA_STYLE], ids=["chatml", "llama_style"])
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_renders_as_transformers_does(micro_export, tmp_path, template, form):
+    from specdeploy.runtime.chat_template import ChatTemplate
+
+    ours = ChatTemplate.from_tokenizer_dir(tokenizer_dir_with(micro_export / "tokenizer", tmp_path / form,
+                                                              template, form))
+    reference = tokenizer_dir_with(micro_export / "tokenizer", tmp_path / "reference", template, "jinja")
+    for messages in (MESSAGES, MESSAGES[1:2]):
+        assert ours.render(messages) == transformers_render(reference, messages)
+
+
+def test_which_template_wins_and_none(micro_export, tmp_path):
+    from specdeploy.runtime.chat_template import ChatTemplate, ChatTemplateError
+
+    both = tokenizer_dir_with(micro_export / "tokenizer", tmp_path / "both", "{{ 'from config' }}", "config")
+    (both / "chat_template.jinja").write_text("{{ 'from jinja' }}")
+    assert ChatTemplate.from_tokenizer_dir(both).render(MESSAGES) == "from jinja"  # as transformers loads it
+    assert ChatTemplate.from_tokenizer_dir(micro_export / "tokenizer") is None
+    refusing = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        refusing.render(MESSAGES)
+
+
+@pytest.fixture(scope="module")
+def chatml_export(micro_export, tmp_path_factory) -> Path:
+    export = clone_export(micro_export, tmp_path_factory.mktemp("chat") / "chatml")
+    (export / "tokenizer" / "chat_template.jinja").write_text(CHATML)
+    return export
+
+
+def cli_json(*args) -> dict:
+    proc = run_cli("generate", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cli_chat_and_server_chat_equal_transformers(chatml_export):
+    messages = MESSAGES[:2]
+    ids = transformers_render(chatml_export / "tokenizer", messages, tokenize=True)
+    via_chat = cli_json(chatml_export, "--chat", USER, "--system", SYSTEM, "--max-new-tokens", "24")
+    via_ids = cli_json(chatml_export, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "24")
+    assert via_chat["token_ids"] == via_ids["token_ids"] and via_chat["text"] == via_ids["text"]
+    assert via_chat["stats"]["prompt_tokens"] == len(ids)
+    without_system = cli_json(chatml_export, "--chat", USER, "--max-new-tokens", "4")
+    assert without_system["stats"]["prompt_tokens"] == len(
+        transformers_render(chatml_export / "tokenizer", messages[1:], tokenize=True))  # the template's default system
+
+    with ServerProcess(chatml_export) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        resp = client.chat.completions.create(model="chatml", messages=messages, max_tokens=24, temperature=0)
+        assert resp.choices[0].message.content == via_chat["text"]
+        assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(via_chat["token_ids"])
+
+
+def test_cli_chat_errors(micro_export):
+    proc = run_cli("generate", micro_export, "--chat", "hi")
+    assert proc.returncode == 2 and "no chat template" in proc.stderr
+    proc = run_cli("generate", micro_export, "--prompt", "hi", "--system", "be brief")
+    assert proc.returncode == 2 and "--system goes with --chat" in proc.stderr
