@@ -25,7 +25,7 @@ from .draft_vocab import read_draft_vocab
 from .medusa_heads import MedusaHeads, load_heads
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
-from .reference import run_torch, save_reference
+from .reference import save_reference, torch_reference
 
 GRAPH_NAME = "medusa_heads"
 INPUTS, OUTPUTS = ["hidden"], ["topk_ids", "topk_logprobs"]
@@ -87,7 +87,7 @@ class MedusaExport(MethodExport):
         export_module(wrapper, [torch.from_numpy(sample["hidden"])], out / f"{GRAPH_NAME}.onnx", INPUTS, OUTPUTS,
                       {}, SharedWeights(out, "weights/medusa.bin"))
         ref = {"hidden": np.random.default_rng(1).standard_normal((1, hidden)).astype(np.float32)}
-        save_reference(out, GRAPH_NAME, ref, run_torch(wrapper, ref, INPUTS, OUTPUTS))
+        save_reference(out, GRAPH_NAME, ref, torch_reference(wrapper, ref, INPUTS, OUTPUTS))
         ctx["graphs"][GRAPH_NAME] = {
             "file": f"{GRAPH_NAME}.onnx", "model": "target", "kind": GRAPH_KIND, "tokens": 1,
             "num_heads": config.heads, "top_k": config.top_k, "num_layers": self.heads.num_layers,
