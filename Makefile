@@ -45,7 +45,7 @@ heads: family
 # methods, graph plans).
 # train/ is left out on purpose: family.json and train.json stand for what it produced.
 $(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml \
-  $(wildcard export/*.py runtime/config.py runtime/manifest.py runtime/methods.py runtime/method_spec.py runtime/tree_files.py runtime/drafters/*.py)
+  $(wildcard export/*.py runtime/config.py runtime/graph_contract.py runtime/manifest.py runtime/methods.py runtime/method_spec.py runtime/tree_files.py runtime/drafters/*.py)
 	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --medusa $(FAMILY)/medusa \
 	  --eagle $(FAMILY)/eagle --out $(EXPORT_DIR)
 

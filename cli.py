@@ -54,7 +54,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .runtime.export_dir import Export
+    from .runtime.loaded_export import LoadedExport
     from .runtime.generate import Generation
     from .runtime.sampling import SamplingParams
 
@@ -62,7 +62,7 @@ def cmd_generate(args) -> int:
 
     use_shared_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    export = Export(args.out, backend=args.backend, graphs=args.graphs)
+    export = LoadedExport(args.out, backend=args.backend, flavor=args.graphs)
     if args.system is not None and args.chat is None:
         raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
     if args.chat is not None:
@@ -125,13 +125,13 @@ def cmd_engines(args) -> int:
 
 
 def cmd_tune_tree(args) -> int:
-    from .runtime.export_dir import Export
+    from .runtime.loaded_export import LoadedExport
     from .runtime.tree_tuning import read_prompts_file, tune, write_tree
 
     from .runtime.backends import use_shared_threads
 
     use_shared_threads(args.threads)
-    export = Export(args.export, backend=args.backend, threads=args.threads)
+    export = LoadedExport(args.export, backend=args.backend, threads=args.threads)
     if args.prompts is not None:
         texts = read_prompts_file(args.prompts)
     else:  # held-out stdlib functions: text the family never trained on

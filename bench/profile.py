@@ -29,11 +29,11 @@ from .prompts import load_prompts, shipped_sets
 def profile(export_dir: Path, method: str, prompts: list[str], max_new_tokens: int, threads: int,
             top: int = 18) -> str:
     from ..runtime.backends import use_shared_threads
-    from ..runtime.export_dir import Export
+    from ..runtime.loaded_export import LoadedExport
     from ..runtime.generate import generate
 
     use_shared_threads(threads)  # as the CLI, server and bench run
-    export = Export(export_dir, backend="ort-cpu", threads=threads)
+    export = LoadedExport(export_dir, backend="ort-cpu", threads=threads)
     ids = [export.tokenizer.encode(p) for p in prompts]
     generate(export, ids[0], method=method, max_new_tokens=max_new_tokens, ignore_eos=True)  # warm-up
     totals: dict[str, float] = {}

@@ -186,9 +186,9 @@ def _start_workers(rows, opts, export, skipped) -> list[Worker]:
 
 
 def run_bench(opts: BenchOptions) -> dict:
-    from ..runtime.export_dir import Export
+    from ..runtime.loaded_export import LoadedExport
 
-    export = Export(opts.export, backend="ort-cpu")  # manifest + tokenizer; no session is opened here
+    export = LoadedExport(opts.export, backend="ort-cpu")  # manifest + tokenizer; no session is opened here
     sets = _prompt_sets(opts, export)
     rows, skipped = plan(opts, export)
     info = machine.describe()

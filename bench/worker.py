@@ -18,13 +18,13 @@ class Specdeploy:
     def __init__(self, setup: dict):
         from ..runtime.backends import thread_pool_mode, use_per_session_threads, use_shared_threads
         from ..runtime.config import to_dict
-        from ..runtime.export_dir import Export
+        from ..runtime.loaded_export import LoadedExport
 
         if setup.get("ort_spinning") == "off":  # every session gets its own pool, which sleeps when idle
             use_per_session_threads()
         else:  # as our CLI and server run: one spinning pool for all sessions
             use_shared_threads(setup["threads"])
-        self.export = Export(setup["export"], backend="ort-cpu", threads=setup["threads"])
+        self.export = LoadedExport(setup["export"], backend="ort-cpu", threads=setup["threads"])
         self.method = setup["method"]
         config = self.export.method_config(self.method)  # not exported -> a clear error now, not mid-run
         target = self.export.decoder("target")

@@ -16,13 +16,16 @@ from torch import nn
 
 from ..runtime.drafters.eagle import graph_plan
 from ..runtime.errors import SpecDeployError
+from ..runtime.graph_contract import (EAGLE, EAGLE_DRAFT, FEATURES, FUSED, INPUT_IDS, KV_KINDS, POSITION_IDS, TREE_MASK,
+                                      GraphRecord, ModelRecord, eagle_draft_io, eagle_graph_name, graph_file,
+                                      is_past, past_name, weights_file)
 from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
 from .eagle_fused import build_fused_eagle_head
 from .fused_graph import write_fused
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
-from .reference import random_tree_mask, save_reference, torch_reference
+from .reference import random_tree_mask, run_torch, save_reference
 
 
 class EagleDraftGraph(nn.Module):
@@ -40,26 +43,15 @@ class EagleDraftGraph(nn.Module):
         return (values, self.head.to_target_ids(idx), h.float(), *presents)
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    inputs = ["input_ids", "features", "position_ids", "tree_mask"]
-    outputs = ["topk_logprobs", "topk_ids", "hidden"]
-    for i in range(num_layers):
-        inputs += [f"past_key.{i}", f"past_value.{i}"]
-        outputs += [f"present_key.{i}", f"present_value.{i}"]
-    return inputs, outputs
-
-
-def head_spec(head: EagleHead, top_k: int, feature_layers) -> dict:
-    spec = {
-        "architecture": f"EAGLE{head.version}Head", "model_type": "eagle", "eagle_version": head.version,
-        "num_layers": head.num_layers, "num_heads": head.num_heads, "num_kv_heads": head.num_kv_heads,
-        "head_dim": head.head_dim, "hidden_size": head.hidden_size, "vocab_size": head.target_vocab,
-        "draft_vocab_size": head.draft_vocab, "feature_dim": head.feature_dim, "top_k": top_k,
-        "source": getattr(head, "source", ""),
-    }
+def head_record(head: EagleHead, top_k: int, feature_layers) -> ModelRecord:
+    extra = {"eagle_version": head.version, "draft_vocab_size": head.draft_vocab, "feature_dim": head.feature_dim,
+             "top_k": top_k}
     if feature_layers:
-        spec["target_feature_layers"] = list(feature_layers)
-    return spec
+        extra["target_feature_layers"] = list(feature_layers)
+    return ModelRecord(name=EAGLE, num_layers=head.num_layers, num_heads=head.num_heads,
+                       num_kv_heads=head.num_kv_heads, head_dim=head.head_dim, hidden_size=head.hidden_size,
+                       vocab_size=head.target_vocab, architecture=f"EAGLE{head.version}Head", model_type="eagle",
+                       source=getattr(head, "source", ""), extra=extra)
 
 
 def sample_feeds(t: int, width: int, past: int, draft_rows: int, head: EagleHead, seed: int) -> dict:
@@ -71,48 +63,49 @@ def sample_feeds(t: int, width: int, past: int, draft_rows: int, head: EagleHead
     mask[0, :, :draft_rows] = rng.random((t, draft_rows)) < 0.5
     mask[0, :, draft_rows:] = random_tree_mask(t, rng)
     feeds = {
-        "input_ids": rng.integers(0, head.target_vocab, (1, t), dtype=np.int64),
-        "features": rng.standard_normal((1, t, width)).astype(np.float32),
-        "position_ids": (past + np.arange(t, dtype=np.int64))[None],
-        "tree_mask": mask,
+        INPUT_IDS: rng.integers(0, head.target_vocab, (1, t), dtype=np.int64),
+        FEATURES: rng.standard_normal((1, t, width)).astype(np.float32),
+        POSITION_IDS: (past + np.arange(t, dtype=np.int64))[None],
+        TREE_MASK: mask,
     }
     for i in range(head.num_layers):
-        for kind in ("key", "value"):
-            feeds[f"past_{kind}.{i}"] = rng.standard_normal((1, past, head.num_kv_heads, head.head_dim)).astype(np_dtype)
+        for kind in KV_KINDS:
+            feeds[past_name(i, kind)] = rng.standard_normal((1, past, head.num_kv_heads, head.head_dim)).astype(np_dtype)
     return feeds
 
 
 def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int, progress,
-                       fused: bool = False) -> dict:
-    """One graph per (feature width, T), and its fused twin when `fused`; returns the manifest's graph entries."""
+                       fused: bool = False) -> dict[str, GraphRecord]:
+    """One graph per (feature width, T), and its fused twin when `fused`; returns their manifest records."""
     wrapper = EagleDraftGraph(head, plan["top_k"]).eval()
-    weights = SharedWeights(out, "weights/eagle.bin")
-    fused_weights = SharedWeights(out, "weights/eagle.fused.bin") if fused else None
-    inputs, outputs = io_names(head.num_layers)
-    dynamic = {n: {1: "past_len"} for n in inputs if n.startswith("past_")}
-    dynamic["tree_mask"] = {2: "mask_len"}
+    weights = SharedWeights(out, weights_file(EAGLE))
+    fused_weights = SharedWeights(out, weights_file(EAGLE, FUSED)) if fused else None
+    io = eagle_draft_io(head.num_layers)
+    inputs, outputs = list(io.inputs), list(io.outputs)
+    dynamic = {n: {1: "past_len"} for n in inputs if is_past(n)}
+    dynamic[TREE_MASK] = {2: "mask_len"}
     wanted = {(head.feature_dim, t) for t in plan["catchup"]} | {(head.hidden_size, t) for t in plan["expand"]}
     graphs = {}
     for width, t in sorted(wanted):
-        name = f"eagle_t{t}" if width == head.hidden_size else f"eagle_f{width}_t{t}"
+        name = eagle_graph_name(t, width, head.hidden_size)
         start = time.perf_counter()
         feeds = sample_feeds(t, width, 5, 2, head, seed=t)
         args = [torch.from_numpy(feeds[n]) for n in inputs]
-        export_module(wrapper, args, out / f"{name}.onnx", inputs, outputs, dynamic, weights)
+        export_module(wrapper, args, out / graph_file(name), inputs, outputs, dynamic, weights)
         ref = sample_feeds(t, width, min(29, max_context - t - 3), 3, head, seed=2000 + t)
-        ref_out = torch_reference(wrapper, ref, inputs, outputs)
+        ref_out = run_torch(wrapper, ref, inputs, outputs)
         save_reference(out, name, ref, ref_out)
-        graphs[name] = {"file": f"{name}.onnx", "model": "eagle", "kind": "eagle_draft", "tokens": t, "features": width}
-        progress(f"  exported {name}.onnx (T={t}, features {width}) in {time.perf_counter() - start:.1f}s")
+        graphs[name] = GraphRecord.new(name, EAGLE, EAGLE_DRAFT, t, features=width)
+        progress(f"  exported {graph_file(name)} (T={t}, features {width}) in {time.perf_counter() - start:.1f}s")
         if fused:
-            fname = name.replace("eagle_", "eagle_fused_", 1)
+            fname = eagle_graph_name(t, width, head.hidden_size, FUSED)
             model = build_fused_eagle_head(head, t, width, plan["top_k"], max_context)
             write_fused(model, out, fname, fused_weights, ref, ref_out, t)
-            graphs[fname] = {**graphs[name], "file": f"{fname}.onnx", "flavor": "fused"}
+            graphs[fname] = GraphRecord.new(fname, EAGLE, EAGLE_DRAFT, t, flavor=FUSED, features=width)
     return graphs
 
 
-class EagleExport(MethodExport):
+class EagleHeadExporter(MethodExport):
     """`--eagle DIR`: loaded and checked before the target is exported (EAGLE-3 changes the
     target graphs: they output three layers' features), its graphs exported after."""
 
@@ -135,7 +128,7 @@ class EagleExport(MethodExport):
         plan = graph_plan(ctx["methods"]["eagle"], ctx["cfg"].prefill_chunk)
         if plan["top_k"] > head.draft_vocab:
             raise SpecDeployError(f"eagle.top_k {plan['top_k']} exceeds the head's vocabulary of {head.draft_vocab}")
-        ctx["models"]["eagle"] = head_spec(head, plan["top_k"], self.feature_layers)
+        ctx["models"][EAGLE] = head_record(head, plan["top_k"], self.feature_layers)
         fused = ctx.get("fused", False) and head.fc.weight.dtype == torch.float32
         ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"].max_context, ctx["progress"],
                                                 fused))

@@ -11,33 +11,30 @@ import torch
 
 from ..runtime.config import ExportConfig, load_export_config, to_dict
 from ..runtime.errors import SpecDeployError
-from ..runtime.manifest import FORMAT_VERSION, MANIFEST_NAME, sha256_file
+from ..runtime.graph_contract import (DECODER, DRAFT, FUSED, PORTABLE, TARGET, GraphRecord, KVGeometry, ModelRecord,
+                                      decoder_graph_name, decoder_io, graph_file, is_past, weights_file)
+from ..runtime.manifest import sha256_file, write_manifest
 from ..runtime.methods import REGISTRY, method_spec
-from .decoder_graph import DecoderGraph, graph_io_names
+from .decoder_graph import DecoderGraph
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .method_export import MethodExport, load_export_step
 from .onnx_writer import SharedWeights, export_module
-from .reference import decoder_feeds, save_reference, torch_reference
+from .reference import decoder_feeds, run_torch, save_reference
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json")  # a chat template as transformers writes it
 
 
-def model_spec(model) -> dict:
+def model_spec(name: str, model, source: Path, feature_layers: tuple[int, ...] = ()) -> ModelRecord:
+    """The manifest record of an HF causal LM exported as `name`."""
     cfg = model.config
-    heads = cfg.num_attention_heads
-    return {
-        "architecture": (cfg.architectures or [type(model).__name__])[0],
-        "model_type": cfg.model_type,
-        "num_layers": cfg.num_hidden_layers,
-        "num_heads": heads,
-        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-    }
+    extra = {"max_position_embeddings": getattr(cfg, "max_position_embeddings", None)}
+    if feature_layers:
+        extra["feature_layers"] = list(feature_layers)
+    return ModelRecord.from_geometry(name, KVGeometry.from_config(cfg), cfg.hidden_size, cfg.vocab_size,
+                                     architecture=(cfg.architectures or [type(model).__name__])[0],
+                                     model_type=cfg.model_type, source=str(Path(source).resolve()), extra=extra)
 
 
 def check_context(name: str, cfg: dict, max_context: int) -> None:
@@ -61,48 +58,52 @@ def special_tokens(target_dir: Path, cfg: dict) -> dict:
 class DecoderExporter:
     """Exports one model's decoder at several static token counts, weights shared."""
 
-    def __init__(self, name: str, model, out: Path, dtype: str, max_context: int, progress,
+    def __init__(self, name: str, model, source: Path, out: Path, dtype: str, max_context: int, progress,
                  feature_layers: tuple[int, ...] = (), fused: bool = True):
         self.name, self.out, self.progress = name, out, progress
         self.model, self.feature_layers = model, tuple(feature_layers)
-        self.spec = model_spec(model)
+        self.record = model_spec(name, model, source, self.feature_layers)
         self.wrapper = DecoderGraph(model, feature_layers).eval()
         self.dtype = DTYPES[dtype]
         self.max_context = max_context
-        self.weights = SharedWeights(out, f"weights/{name}.bin")
-        self.inputs, self.outputs = graph_io_names(self.spec["num_layers"], bool(feature_layers))
+        self.weights = SharedWeights(out, weights_file(name))
+        io = decoder_io(self.record.num_layers, bool(feature_layers))
+        self.inputs, self.outputs = list(io.inputs), list(io.outputs)
         self.fused = fused and dtype in FUSED_DTYPES
         if fused and not self.fused:
             progress(f"  {name}: no fused graphs for {dtype} (they are {', '.join(FUSED_DTYPES)} only); "
                      "ONNX Runtime will run the portable graphs")
-        self.fused_weights = SharedWeights(out, f"weights/{name}.fused.bin") if self.fused else None
+        self.fused_weights = SharedWeights(out, weights_file(name, FUSED)) if self.fused else None
 
-    def export(self, tokens: int) -> list[tuple[str, dict]]:
+    def export(self, tokens: int) -> dict[str, GraphRecord]:
         """The portable graph for `tokens` (and its fused twin), each with its PyTorch reference."""
-        graph = f"{self.name}_t{tokens}"
+        graph = decoder_graph_name(self.name, tokens)
         start = time.perf_counter()
         sample_past = 3  # a non-trivial past so the tracer keeps its length dynamic
-        feeds = decoder_feeds(tokens, sample_past, self.spec, self.spec["vocab_size"], self.dtype, seed=tokens)
+        geometry = self.record.to_json()  # what decoder_feeds reads: num_layers, num_kv_heads, head_dim
+        vocab = self.record.vocab_size
+        feeds = decoder_feeds(tokens, sample_past, geometry, vocab, self.dtype, seed=tokens)
         args = [torch.from_numpy(feeds[n]) for n in self.inputs]
-        dynamic = {n: {1: "past_len"} for n in self.inputs if n.startswith("past_")}
-        export_module(self.wrapper, args, self.out / f"{graph}.onnx", self.inputs, self.outputs, dynamic, self.weights)
-        ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), self.spec, self.spec["vocab_size"],
-                                  self.dtype, seed=1000 + tokens)
-        ref_outputs = torch_reference(self.wrapper, ref_feeds, self.inputs, self.outputs)
+        dynamic = {n: {1: "past_len"} for n in self.inputs if is_past(n)}
+        export_module(self.wrapper, args, self.out / graph_file(graph), self.inputs, self.outputs, dynamic,
+                      self.weights)
+        ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), geometry, vocab, self.dtype,
+                                  seed=1000 + tokens)
+        ref_outputs = run_torch(self.wrapper, ref_feeds, self.inputs, self.outputs)
         save_reference(self.out, graph, ref_feeds, ref_outputs)
-        self.progress(f"  exported {graph}.onnx (T={tokens}) in {time.perf_counter() - start:.1f}s")
-        made = [(graph, {"file": f"{graph}.onnx", "model": self.name, "kind": "decoder", "tokens": tokens})]
+        self.progress(f"  exported {graph_file(graph)} (T={tokens}) in {time.perf_counter() - start:.1f}s")
+        made = {graph: GraphRecord.new(graph, self.name, DECODER, tokens, flavor=PORTABLE)}
         if self.fused:
-            made.append(self._export_fused(tokens, ref_feeds, ref_outputs))
+            fused = self._export_fused(tokens, ref_feeds, ref_outputs)
+            made[fused.name] = fused
         return made
 
-    def _export_fused(self, tokens: int, ref_feeds: dict, ref_outputs: dict) -> tuple[str, dict]:
-        graph = f"{self.name}_fused_t{tokens}"
+    def _export_fused(self, tokens: int, ref_feeds: dict, ref_outputs) -> GraphRecord:
+        graph = decoder_graph_name(self.name, tokens, FUSED)
         model = build_fused_decoder(self.model, tokens, self.max_context, self.feature_layers)
         write_fused(model, self.out, graph, self.fused_weights, ref_feeds, ref_outputs, tokens)
-        self.progress(f"  wrote {graph}.onnx (ORT fused ops, KV in place)")
-        return graph, {"file": f"{graph}.onnx", "model": self.name, "kind": "decoder", "tokens": tokens,
-                       "flavor": "fused"}
+        self.progress(f"  wrote {graph_file(graph)} (ORT fused ops, KV in place)")
+        return GraphRecord.new(graph, self.name, DECODER, tokens, flavor=FUSED)
 
 
 def target_token_counts(cfg: ExportConfig, methods: dict) -> list[int]:
@@ -166,18 +167,16 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     progress(f"loading target from {target} ({dtype})")
     target_model = load_causal_lm(Path(target), dtype)
     feature_layers = tuple(layer for step in steps.values() for layer in step.prepare(target_model, progress))
-    exporter = DecoderExporter("target", target_model, out, dtype, cfg.max_context, progress, feature_layers,
+    exporter = DecoderExporter(TARGET, target_model, target, out, dtype, cfg.max_context, progress, feature_layers,
                                fused)
-    models["target"] = {**exporter.spec, "source": str(Path(target).resolve())}
-    if feature_layers:
-        models["target"]["feature_layers"] = list(feature_layers)
+    models[TARGET] = exporter.record
     for t in token_counts:
         graphs.update(exporter.export(t))
     if draft is not None:
         progress(f"loading draft from {draft} ({dtype})")
         draft_model = load_causal_lm(Path(draft), dtype)
-        dexp = DecoderExporter("draft", draft_model, out, dtype, cfg.max_context, progress, fused=fused)
-        models["draft"] = {**dexp.spec, "source": str(Path(draft).resolve())}
+        dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused)
+        models[DRAFT] = dexp.record
         for t in sorted({1, cfg.prefill_chunk}):
             graphs.update(dexp.export(t))
     ctx = {"out": out, "target_model": target_model, "graphs": graphs, "models": models,
@@ -194,18 +193,11 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     files = {}
     for path in sorted(p for p in out.rglob("*") if p.is_file() and p.parent.name != "check"):
         files[str(path.relative_to(out))] = sha256_file(path)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "dtype": dtype,
-        "max_context": cfg.max_context,
-        "prefill_chunk": cfg.prefill_chunk,
-        "models": models,
-        "graphs": graphs,
-        "tokenizer": {"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
-        "methods": {name: to_dict(settings) for name, settings in methods.items()},
-        "files": files,
-        "exported_in_s": round(time.perf_counter() - start, 1),
-    }
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
-    progress(f"wrote {out / MANIFEST_NAME}: {len(graphs)} graphs in {manifest['exported_in_s']}s")
+    seconds = round(time.perf_counter() - start, 1)
+    path = write_manifest(out, dtype=dtype, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
+                          models=models, graphs=graphs,
+                          tokenizer={"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
+                          methods={name: to_dict(settings) for name, settings in methods.items()}, files=files,
+                          exported_in_s=seconds)
+    progress(f"wrote {path}: {len(graphs)} graphs in {seconds}s")
     return out

@@ -12,8 +12,8 @@ com.microsoft ops, one node per job:
   that the runtime binds as both past and present, so new rows are written at
   positions past_length.. in place and nothing of the cache is copied per step.
 
-Inputs: input_ids, position_ids [1, T] int64; tree_mask [1, T, T] bool;
-past_length [1] int64 (rows of the buffer already filled); past_key.i /
+Inputs (runtime/graph_contract.decoder_io, flavor fused): input_ids, position_ids [1, T] int64;
+tree_mask [1, T, T] bool; past_length [1] int64 (rows of the buffer already filled); past_key.i /
 past_value.i [1, kv_heads, S, D]. Outputs: logits, hidden, [features],
 present_key.i / present_value.i (the same buffers, S rows).
 The graph is built directly from the HF modules' weights; the PyTorch reference
@@ -30,6 +30,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ..runtime.errors import SpecDeployError
+from ..runtime.graph_contract import (FEATURES, FUSED, HIDDEN, INPUT_IDS, KEY, LOGITS, PAST_LENGTH, POSITION_IDS,
+                                      TREE_MASK, VALUE, GraphIO, KVGeometry, decoder_io, graph_file, is_past,
+                                      is_present, past_name, past_of, present_name)
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 FUSED_DTYPES = ("float32",)  # ORT's CPU kernels for these contrib ops are fastest (and tested) in fp32
@@ -90,17 +93,17 @@ class GraphBuilder:
         """GroupQueryAttention's lengths (seqlens_k = total - 1, total as a scalar) and the additive
         bias: every key before the tree_mask's columns is visible, the mask decides among its
         last S columns (S = T for decoders; earlier draft rows + T for the EAGLE head)."""
-        (past32,) = self.op("Cast", ["past_length"], to=TensorProto.INT32)
+        (past32,) = self.op("Cast", [PAST_LENGTH], to=TensorProto.INT32)
         (seqlens_k,) = self.op("Add", [past32, self.init("t_minus_1", np.array([t - 1], np.int32))])
         (total1,) = self.op("Add", [past32, self.init("t_count", np.array([t], np.int32))])
         (total,) = self.op("Squeeze", [total1])
         if t == 1 and not self.wide_mask:  # one new token: plain causal attention
             return seqlens_k, total, ""
         minf = np.finfo(np.float32).min
-        (masked,) = self.op("Where", ["tree_mask", self.init("zero_f", np.array(0, np.float32)),
+        (masked,) = self.op("Where", [TREE_MASK, self.init("zero_f", np.array(0, np.float32)),
                                       self.init("minf", np.array(minf, np.float32))])
         (masked,) = self.op("Unsqueeze", [masked, self.init("axis1", np.array([1], np.int64))])
-        (mask_shape,) = self.op("Shape", ["tree_mask"])
+        (mask_shape,) = self.op("Shape", [TREE_MASK])
         (mask_cols,) = self.op("Slice", [mask_shape, self.init("i2", np.array([2], np.int64)),
                                          self.init("i3", np.array([3], np.int64))])
         (free,) = self.op("Cast", [total1], to=TensorProto.INT64)
@@ -133,11 +136,11 @@ class GraphBuilder:
         scale = float(getattr(attn, "scaling", head_dim ** -0.5))
         (ctx, pk, pv) = self.op(
             "GroupQueryAttention",
-            gqa_in + [f"past_key.{layer}", f"past_value.{layer}", seqlens_k, total, *rope, "position_ids", bias],
+            gqa_in + [past_name(layer, KEY), past_name(layer, VALUE), seqlens_k, total, *rope, POSITION_IDS, bias],
             n_out=3, domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=scale,
             do_rotary=1, rotary_interleaved=0,
         )
-        self.presents += [(f"present_key.{layer}", pk), (f"present_value.{layer}", pv)]
+        self.presents += [(present_name(layer, KEY), pk), (present_name(layer, VALUE), pv)]
         return self.linear(ctx, [attn.o_proj], f"{p}.o")
 
     def mlp(self, x: str, mlp, name: str) -> str:
@@ -154,15 +157,18 @@ class GraphBuilder:
         return y
 
     def model(self, name: str, inputs: list, outputs: list, kv_heads: int, head_dim: int,
-              num_layers: int) -> onnx.ModelProto:
-        """The graph with the KV buffers as inputs and (aliased) outputs."""
+              io: GraphIO) -> onnx.ModelProto:
+        """The graph with the KV buffers as inputs and (aliased) outputs; its I/O must be `io`."""
         kv_shape = [1, kv_heads, "cache_len", head_dim]
-        inputs = list(inputs) + [helper.make_tensor_value_info(f"past_{kind}.{i}", TensorProto.FLOAT, kv_shape)
-                                 for i in range(num_layers) for kind in ("key", "value")]
+        inputs = list(inputs) + [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape)
+                                 for n in io.inputs if is_past(n)]
         outputs = list(outputs)
         for out_name, src in self.presents:
             self.rename(src, out_name)
             outputs.append(helper.make_tensor_value_info(out_name, TensorProto.FLOAT, kv_shape))
+        built = GraphIO(tuple(v.name for v in inputs), tuple(v.name for v in outputs))
+        if built != io:
+            raise AssertionError(f"fused graph {name} has I/O {built}, the graph contract says {io}")
         graph = helper.make_graph(self.nodes, name, inputs, outputs, self.inits)
         model = helper.make_model(graph, opset_imports=OPSET, producer_name="specdeploy")
         model.ir_version = 8
@@ -170,8 +176,9 @@ class GraphBuilder:
 
 
 class AttentionShape:
-    def __init__(self, t: int, heads: int, kv_heads: int, head_dim: int):
-        self.t, self.heads, self.kv_heads, self.head_dim = t, heads, kv_heads, head_dim
+    def __init__(self, t: int, geometry: KVGeometry):
+        self.t, self.heads = t, geometry.num_heads
+        self.kv_heads, self.head_dim = geometry.num_kv_heads, geometry.head_dim
 
 
 def check_silu(cfg) -> None:
@@ -180,26 +187,20 @@ def check_silu(cfg) -> None:
         raise SpecDeployError(f"fused graphs support the silu MLP only (this model has hidden_act={act!r})")
 
 
-def attention_shape(cfg, t: int) -> AttentionShape:
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return AttentionShape(t, heads, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-
-
 def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
                         feature_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
     """The fused graph of an HF Llama-family causal LM for a static token count `tokens`."""
     cfg = causal_lm.config
     check_silu(cfg)
     body = causal_lm.model
-    shape = attention_shape(cfg, tokens)
+    shape = AttentionShape(tokens, KVGeometry.from_config(cfg))
     eps = float(cfg.rms_norm_eps)
     t = tokens
     b = GraphBuilder()
     rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
     lengths = b.attention_lengths(t)
 
-    (h,) = b.op("Gather", [b.init("embed.weight", float32_array(body.embed_tokens.weight)), "input_ids"])
+    (h,) = b.op("Gather", [b.init("embed.weight", float32_array(body.embed_tokens.weight)), INPUT_IDS])
     pending = None  # the last sub-block's output, not yet added to the residual stream h
     features = []
 
@@ -225,20 +226,21 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     if len(body.layers) - 1 in feature_layers:
         features.append(h)
     logits = b.linear(hidden, [causal_lm.lm_head], "lm_head")
-    b.rename(logits, "logits")
-    b.rename(hidden, "hidden")
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, t, cfg.vocab_size]),
-               helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, t, cfg.hidden_size])]
+    b.rename(logits, LOGITS)
+    b.rename(hidden, HIDDEN)
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, t, cfg.vocab_size]),
+               helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, t, cfg.hidden_size])]
     if feature_layers:
         (feat,) = b.op("Concat", features, axis=2)
-        b.rename(feat, "features")
-        outputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT,
+        b.rename(feat, FEATURES)
+        outputs.append(helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT,
                                                      [1, t, cfg.hidden_size * len(feature_layers)]))
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, t]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, t]),
-              helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, [1, t, t]),
-              helper.make_tensor_value_info("past_length", TensorProto.INT64, [1])]
-    return b.model(f"fused_decoder_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim, len(body.layers))
+    inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [1, t, t]),
+              helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [1])]
+    io = decoder_io(len(body.layers), bool(feature_layers), FUSED)
+    return b.model(f"fused_decoder_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim, io)
 
 
 def write_fused(model: onnx.ModelProto, out_dir: Path, name: str, weights, portable_feeds: dict,
@@ -247,11 +249,11 @@ def write_fused(model: onnx.ModelProto, out_dir: Path, name: str, weights, porta
     from the portable graph's PyTorch reference for the same call."""
     from .reference import save_reference
 
-    path = out_dir / f"{name}.onnx"
+    path = out_dir / graph_file(name)
     weights.externalize(model, path)
     onnx.save(model, str(path))
     feeds = fused_feeds(portable_feeds, tokens)
-    save_reference(out_dir, name, feeds, portable_outputs.map(lambda outs: fused_reference(feeds, outs, tokens)))
+    save_reference(out_dir, name, feeds, fused_reference(feeds, portable_outputs, tokens))
 
 
 def fused_feeds(portable_feeds: dict[str, np.ndarray], tokens: int, slack: int = 3) -> dict[str, np.ndarray]:
@@ -260,26 +262,26 @@ def fused_feeds(portable_feeds: dict[str, np.ndarray], tokens: int, slack: int =
     The past moves into buffers of past + tokens + slack rows (head-major), so the
     check also sees that rows beyond the new tokens are left alone.
     """
-    out = {k: v for k, v in portable_feeds.items() if not k.startswith("past_")}
+    out = {k: v for k, v in portable_feeds.items() if not is_past(k)}
     past = None
     for name, value in portable_feeds.items():
-        if name.startswith("past_"):
+        if is_past(name):
             past = value.shape[1]
             buf = np.zeros((1, value.shape[2], past + tokens + slack, value.shape[3]), value.dtype)
             buf[0, :, :past] = value[0].transpose(1, 0, 2)
             out[name] = buf
-    out["past_length"] = np.array([past], np.int64)
+    out[PAST_LENGTH] = np.array([past], np.int64)
     return out
 
 
 def fused_reference(feeds: dict[str, np.ndarray], portable_outputs: dict[str, np.ndarray],
                     tokens: int) -> dict[str, np.ndarray]:
     """Expected fused outputs: the portable outputs, with new KV rows written into the buffers."""
-    out = {k: v for k, v in portable_outputs.items() if not k.startswith("present_")}
-    past = int(feeds["past_length"][0])
+    out = {k: v for k, v in portable_outputs.items() if not is_present(k)}
+    past = int(feeds[PAST_LENGTH][0])
     for name, value in portable_outputs.items():
-        if name.startswith("present_"):
-            buf = feeds[name.replace("present_", "past_")].astype(value.dtype)  # float64 for the reference
+        if is_present(name):
+            buf = feeds[past_of(name)].copy()
             buf[0, :, past : past + tokens] = value[0].transpose(1, 0, 2)
             out[name] = buf
     return out

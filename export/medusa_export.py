@@ -1,6 +1,6 @@
 """`--medusa DIR` (+ `--tree NAME|FILE`): the Medusa heads graph beside the target's graphs.
 
-Graph `medusa_heads` (kind "medusa_heads", static shapes):
+Graph `medusa_heads` (kind medusa_heads, runtime/graph_contract.MEDUSA_HEADS_IO, static shapes):
   in  `hidden`        float32 [1, H]  the target's final hidden state (after the final norm)
   out `topk_ids`      int64   [num_heads, K]  each head's K best tokens, best first
   out `topk_logprobs` float32 [num_heads, K]  their log-probabilities
@@ -19,16 +19,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..runtime.drafters.medusa import GRAPH_KIND, MedusaConfig
+from ..runtime.drafters.medusa import MedusaConfig
 from ..runtime.errors import SpecDeployError
+from ..runtime.graph_contract import (HIDDEN, MEDUSA_HEADS, MEDUSA_HEADS_GRAPH, MEDUSA_HEADS_IO, TARGET, GraphRecord,
+                                      graph_file, weights_file)
 from .draft_vocab import read_draft_vocab
 from .medusa_heads import MedusaHeads, load_heads
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
-from .reference import save_reference, torch_reference
+from .reference import run_torch, save_reference
 
-GRAPH_NAME = "medusa_heads"
-INPUTS, OUTPUTS = ["hidden"], ["topk_ids", "topk_logprobs"]
+INPUTS, OUTPUTS = list(MEDUSA_HEADS_IO.inputs), list(MEDUSA_HEADS_IO.outputs)
 
 
 class MedusaHeadsModule(nn.Module):
@@ -55,7 +56,7 @@ class MedusaHeadsModule(nn.Module):
         return ids, values
 
 
-class MedusaExport(MethodExport):
+class MedusaHeadsExporter(MethodExport):
     """`--medusa DIR`: heads loaded and checked against the target before any graph is written."""
 
     def __init__(self, heads_dir: Path):
@@ -83,16 +84,15 @@ class MedusaExport(MethodExport):
         wrapper = MedusaHeadsModule(self.heads, config.heads, config.top_k, subset).eval()
         hidden = self.heads.hidden_size
         out = ctx["out"]
-        sample = {"hidden": np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)}
-        export_module(wrapper, [torch.from_numpy(sample["hidden"])], out / f"{GRAPH_NAME}.onnx", INPUTS, OUTPUTS,
-                      {}, SharedWeights(out, "weights/medusa.bin"))
-        ref = {"hidden": np.random.default_rng(1).standard_normal((1, hidden)).astype(np.float32)}
-        save_reference(out, GRAPH_NAME, ref, torch_reference(wrapper, ref, INPUTS, OUTPUTS))
-        ctx["graphs"][GRAPH_NAME] = {
-            "file": f"{GRAPH_NAME}.onnx", "model": "target", "kind": GRAPH_KIND, "tokens": 1,
+        name = MEDUSA_HEADS_GRAPH
+        sample = np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)
+        export_module(wrapper, [torch.from_numpy(sample)], out / graph_file(name), INPUTS, OUTPUTS,
+                      {}, SharedWeights(out, weights_file("medusa")))
+        ref = {HIDDEN: np.random.default_rng(1).standard_normal((1, hidden)).astype(np.float32)}
+        save_reference(out, name, ref, run_torch(wrapper, ref, INPUTS, OUTPUTS))
+        ctx["graphs"][name] = GraphRecord.new(name, TARGET, MEDUSA_HEADS, 1, extra={
             "num_heads": config.heads, "top_k": config.top_k, "num_layers": self.heads.num_layers,
-            "source": self.heads.source, "draft_vocab": len(subset) if subset else self.heads.vocab_size,
-        }
-        ctx["progress"](f"  exported {GRAPH_NAME}.onnx ({config.heads} heads, top-{config.top_k}, tree of "
+            "source": self.heads.source, "draft_vocab": len(subset) if subset else self.heads.vocab_size})
+        ctx["progress"](f"  exported {graph_file(name)} ({config.heads} heads, top-{config.top_k}, tree of "
                         f"{config.verify_tokens} tokens) in {time.perf_counter() - start:.1f}s")
 

@@ -6,7 +6,7 @@ The embedding API is importable from here; names load on first use so that impor
 
 _LAZY = {
     "Service": "service", "Request": "service", "BusyError": "pool", "ExportPool": "pool",
-    "AsyncRequest": "aio", "Export": "export_dir", "Generation": "generate", "GenerationResult": "generate",
+    "AsyncRequest": "aio", "LoadedExport": "loaded_export", "Generation": "generate", "GenerationResult": "generate",
     "TokenEvent": "generate", "SamplingParams": "sampling", "SpecDeployError": "errors",
 }
 

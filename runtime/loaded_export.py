@@ -1,4 +1,4 @@
-"""A loaded export directory: manifest, tokenizer and lazily opened decoders.
+"""An export directory loaded for running: manifest, tokenizer and lazily opened decoders.
 
 One instance serves one request at a time (its KV caches are per instance);
 runtime/pool.py hands out instances to concurrent requests.
@@ -8,34 +8,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .backends import check_backend
+from .backends.availability import available_backends, check_backend
 from .config import ExportConfig, with_overrides
 from .decoder import Decoder
 from .errors import SpecDeployError
+from .graph_contract import FUSED, PORTABLE, TARGET
 from .manifest import load_manifest
 from .methods import method_spec, validate_methods
 from .tokenizer import TextTokenizer
 
 
-GRAPH_CHOICES = ("auto", "fused", "portable")
+FLAVOR_CHOICES = ("auto", FUSED, PORTABLE)
 
 
-class Export:
-    """`graphs` picks the decoder graphs ONNX Runtime's CPU backend runs: "auto" takes the
+class LoadedExport:
+    """`flavor` picks the decoder graphs ONNX Runtime's CPU backend runs: "auto" takes the
     fused ones where the export has them, "portable" the standard-op ones (what TensorRT uses)."""
 
     def __init__(self, path: str | Path, backend: str | None = None, threads: int | None = None,
-                 verify_checksums: bool = True, graphs: str = "auto"):
-        if graphs not in GRAPH_CHOICES:
-            raise SpecDeployError(f"unknown graphs choice {graphs!r} (choose from {', '.join(GRAPH_CHOICES)})")
-        self.graphs = graphs
+                 verify_checksums: bool = True, flavor: str = "auto"):
+        if flavor not in FLAVOR_CHOICES:
+            raise SpecDeployError(f"unknown flavor {flavor!r} (choose from {', '.join(FLAVOR_CHOICES)})")
+        self.flavor = flavor
         self.manifest = load_manifest(path, verify_checksums=verify_checksums)
         # Digests load_manifest checked against the files: engine staleness checks reuse them.
         self._verified_digests = self.manifest.files if verify_checksums else None
         self.backend = check_backend(backend)
         if backend in (None, "auto") and self.backend == "trt":
-            from .backends import available_backends
-            from .trt_backend import engines_listed
+            from .backends.engine_records import engines_listed
 
             if not engines_listed(self.manifest):  # auto never picks engines that were not built
                 self.backend = next(b for b in ("ort-trt", "ort-cuda", "ort-cpu") if b in available_backends())
@@ -45,7 +45,7 @@ class Export:
         self.prefill_chunk = int(self.manifest.raw.get("prefill_chunk", ExportConfig.prefill_chunk))
         self._decoders: dict[str, Decoder] = {}
         self._parts: dict[str, object] = {}
-        target = self.manifest.models.get("target")
+        target = self.manifest.models.get(TARGET)
         if target is None:
             raise SpecDeployError("manifest has no target model")
         if self.tokenizer.vocab_size > target.vocab_size:
@@ -65,22 +65,24 @@ class Export:
         return self._parts[key]
 
     def _open_decoder(self, model: str):
-        """GPU backends keep the KV cache on the device (trt_backend.py, ort_bound.py)."""
+        """GPU backends keep the KV cache on the device (backends/trt.py, backends/ort_bound.py)."""
         if self.backend == "trt":
-            from .trt_backend import TrtDecoder
+            from .backends.trt import TrtDecoder
 
             return TrtDecoder(self.manifest, model, trusted_digests=self._verified_digests)
         if self.backend in ("ort-cuda", "ort-trt"):
-            from .ort_bound import OrtBoundDecoder, iobinding_unavailable_reason
+            from .backends.ort_bound import OrtBoundDecoder, iobinding_unavailable_reason
 
             if iobinding_unavailable_reason(self.backend) is None:
                 return OrtBoundDecoder(self.manifest, model, self.backend, self.threads)
-        has_fused = bool(self.manifest.decoder_graphs(model, "fused"))
-        if self.graphs == "fused" and (self.backend != "ort-cpu" or not has_fused):
+        from .backends.ort_decoder import OrtDecoder
+
+        has_fused = bool(self.manifest.decoder_graphs(model, FUSED))
+        if self.flavor == FUSED and (self.backend != "ort-cpu" or not has_fused):
             raise SpecDeployError(f"fused graphs need --backend ort-cpu and an export that has them "
                                   f"(backend {self.backend}; {model} has {'some' if has_fused else 'none'})")
-        fused = self.backend == "ort-cpu" and has_fused and self.graphs != "portable"
-        return Decoder(self.manifest, model, self.backend, self.threads, fused=fused)
+        fused = self.backend == "ort-cpu" and has_fused and self.flavor != PORTABLE
+        return OrtDecoder(self.manifest, model, self.backend, self.threads, fused=fused)
 
     def method_config(self, method: str, overrides: dict | None = None):
         """The exported config of `method` (validated when the manifest loaded), or a new one

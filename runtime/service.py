@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from .errors import SpecDeployError
-from .export_dir import Export
+from .loaded_export import LoadedExport
 from .generate import Generation, GenerationResult, TokenEvent, validate_request
 from .methods import build_drafter
 from .pool import BusyError, ExportPool, Ticket
@@ -56,12 +56,12 @@ class Service:
         """
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise SpecDeployError(f"pool size must be an integer >= 1, got {pool_size!r}")
-        first = Export(export_dir, backend=backend, threads=threads, verify_checksums=verify_checksums)
+        first = LoadedExport(export_dir, backend=backend, threads=threads, verify_checksums=verify_checksums)
         if threads is None and first.backend == "ort-cpu":
             threads = max(1, (os.cpu_count() or 1) // pool_size)
-            first = Export(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
-        exports = [first] + [Export(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
-                             for _ in range(pool_size - 1)]
+            first = LoadedExport(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
+        exports = [first] + [LoadedExport(export_dir, backend=first.backend, threads=threads,
+                                          verify_checksums=False) for _ in range(pool_size - 1)]
         unavailable: dict[str, str] = {}
         for export in exports:
             export.decoder("target")

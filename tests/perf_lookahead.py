@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    from specdeploy.train import corpus
     from specdeploy.runtime.config import to_dict
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.train import corpus
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(args.export, threads=args.threads)
+    export = LoadedExport(args.export, threads=args.threads)
     overrides = {}
     if args.lookahead:
         w, n, g = (int(x) for x in args.lookahead.split(","))

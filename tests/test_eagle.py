@@ -102,9 +102,9 @@ def heads(micro_family, trained_head):
 
 
 def _open(export_dir: Path):
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    return Export(export_dir, threads=1)
+    return LoadedExport(export_dir, threads=1)
 
 
 def _steps(export, prompt: str, overrides: dict, steps: int):
@@ -207,13 +207,13 @@ def test_greedy_matches_hf(heads, name, mode):
 @pytest.mark.parametrize("name", ["trained", "eagle3_bin"])
 def test_portable_head_graphs_draft_the_same(heads, name):
     """The fused head graphs (the CPU default) and the portable ones draft identically."""
-    from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
 
     _, _, export_dir = heads[name]
     runs = {}
     for graphs in ("fused", "portable"):
-        export = Export(export_dir, backend="ort-cpu", graphs=graphs)
+        export = LoadedExport(export_dir, backend="ort-cpu", flavor=graphs)
         ids = export.tokenizer.encode(PROMPTS[0])
         res = generate(export, ids, method="eagle", max_new_tokens=NEW, ignore_eos=True)
         assert export.part("eagle", None).fused == (graphs == "fused")

@@ -17,15 +17,15 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 
 from specdeploy.engines import lint
-from specdeploy.engines.engine_manifest import (engine_rel, engine_status, file_digests, graph_sources, load_engines,
-                                                make_record, save_engines, stale_reasons)
-from specdeploy.engines.profiles import NoProfile, graph_profile, inputs_profile, profile_json
-from specdeploy.runtime.decoder import Decoder
-from specdeploy.runtime.device_kv import row_runs
-from specdeploy.runtime.device_memory import HostMemory
+from specdeploy.engines.engine_manifest import engine_status, graph_sources, make_record, save_engines
+from specdeploy.runtime.backends.device_kv import row_runs
+from specdeploy.runtime.backends.device_memory import HostMemory
+from specdeploy.runtime.backends.engine_records import engine_rel, file_digests, load_engines, stale_reasons
+from specdeploy.runtime.backends.ort_decoder import OrtDecoder
+from specdeploy.runtime.backends.trt import unavailable_reason
+from specdeploy.runtime.backends.trt_profiles import NoProfile, graph_profile, inputs_profile, profile_json
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.manifest import load_manifest
-from specdeploy.runtime.trt_backend import unavailable_reason
 
 NO_TRT = unavailable_reason() is not None
 
@@ -246,9 +246,10 @@ def test_unavailable_backend_is_one_clear_error(micro_export, backend):
 
 def test_gpu_modules_import_without_tensorrt_or_torch():
     code = ("import sys\n"
-            "import specdeploy.runtime.trt_backend, specdeploy.runtime.ort_bound, specdeploy.runtime.device_memory\n"
+            "import specdeploy.runtime.backends.trt, specdeploy.runtime.backends.ort_bound\n"
+            "import specdeploy.runtime.backends.device_memory, specdeploy.runtime.backends.trt_profiles\n"
             "import specdeploy.engines.builder, specdeploy.engines.trt_check, specdeploy.engines.lint\n"
-            "import specdeploy.engines.engine_manifest, specdeploy.engines.profiles\n"
+            "import specdeploy.engines.engine_manifest\n"
             "assert 'tensorrt' not in sys.modules, 'tensorrt imported at module load'\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -267,7 +268,7 @@ TREE_MASK = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 
 TREE_DEPTH = np.array([0, 1, 1, 2, 2])
 
 
-def _same_steps(ref: Decoder, dev) -> None:
+def _same_steps(ref: OrtDecoder, dev) -> None:
     """Prefill, a tree step committed along a non-prefix path, then single steps: identical results."""
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 500, 37)
@@ -298,24 +299,24 @@ def _same_steps(ref: Decoder, dev) -> None:
 
 
 def test_ort_iobinding_decoder_matches_plain_decoder(micro_export):
-    from specdeploy.runtime.ort_bound import OrtBoundDecoder
+    from specdeploy.runtime.backends.ort_bound import OrtBoundDecoder
 
     m = load_manifest(micro_export, verify_checksums=False)
-    _same_steps(Decoder(m, "target"), OrtBoundDecoder(m, "target", "ort-cpu"))
+    _same_steps(OrtDecoder(m, "target"), OrtBoundDecoder(m, "target", "ort-cpu"))
 
 
 def test_generation_unchanged_on_iobinding_decoder(micro_export):
-    from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import Generation
-    from specdeploy.runtime.ort_bound import OrtBoundDecoder
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.backends.ort_bound import OrtBoundDecoder
 
-    class BoundExport(Export):  # the generator sees a device-resident decoder, nothing else changes
+    class BoundExport(LoadedExport):  # the generator sees a device-resident decoder, nothing else changes
         def _open_decoder(self, model):
             return OrtBoundDecoder(self.manifest, model, "ort-cpu")
 
     prompt = [1, 17, 42, 99, 7, 17, 42]
     for method in ("ar", "draft"):
-        plain = Generation(Export(micro_export, "ort-cpu", graphs="portable"), prompt, method=method, max_new_tokens=24,
+        plain = Generation(LoadedExport(micro_export, "ort-cpu", flavor="portable"), prompt, method=method, max_new_tokens=24,
                            ignore_eos=True).result()
         bound = Generation(BoundExport(micro_export, "ort-cpu"), prompt, method=method, max_new_tokens=24,
                            ignore_eos=True).result()
@@ -381,7 +382,7 @@ class _StandInContext:
 def test_trt_decoder_binding_logic_on_a_stand_in_engine(micro_export):
     import onnxruntime as ort
 
-    from specdeploy.runtime.trt_backend import TrtDecoder
+    from specdeploy.runtime.backends.trt import TrtDecoder
 
     m = load_manifest(micro_export, verify_checksums=False)
     fake_trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"),
@@ -390,6 +391,6 @@ def test_trt_decoder_binding_logic_on_a_stand_in_engine(micro_export):
                                  graph_profile(m, g))
                for t, g in m.decoder_graphs("target").items()}
     dev = TrtDecoder.from_engines(m, "target", fake_trt, HostMemory(), engines)
-    _same_steps(Decoder(m, "target"), dev)
+    _same_steps(OrtDecoder(m, "target"), dev)
     with pytest.raises(SpecDeployError, match="engines for T"):
         TrtDecoder.from_engines(m, "target", fake_trt, HostMemory(), {1: engines[1]})

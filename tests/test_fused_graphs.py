@@ -66,14 +66,14 @@ def test_tensorrt_side_sees_only_portable_graphs(micro_export):
     assert all("_fused_" not in p.name for p in graph_files(micro_export))
 
 
-def test_graphs_choice_is_validated(micro_export, tmp_path):
+def test_flavor_choice_is_validated(micro_export, tmp_path):
     import shutil
 
     from specdeploy.runtime.errors import SpecDeployError
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    with pytest.raises(SpecDeployError, match="unknown graphs choice"):
-        Export(micro_export, graphs="fast")
+    with pytest.raises(SpecDeployError, match="unknown flavor"):
+        LoadedExport(micro_export, flavor="fast")
     # An export without fused graphs (--no-fused, or float16): "fused" is refused, "auto" falls back.
     bare = tmp_path / "bare"
     shutil.copytree(micro_export, bare)
@@ -81,5 +81,5 @@ def test_graphs_choice_is_validated(micro_export, tmp_path):
     manifest["graphs"] = {k: v for k, v in manifest["graphs"].items() if v.get("flavor") != "fused"}
     (bare / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecDeployError, match="fused graphs need"):
-        Export(bare, graphs="fused").decoder("target")
-    assert not Export(bare).decoder("target").fused
+        LoadedExport(bare, flavor="fused").decoder("target")
+    assert not LoadedExport(bare).decoder("target").fused

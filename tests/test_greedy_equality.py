@@ -26,16 +26,16 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def micro(micro_export):
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    return Export(micro_export)
+    return LoadedExport(micro_export)
 
 
 @pytest.fixture(scope="module")
 def micro_portable(micro_export):
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    return Export(micro_export, graphs="portable")
+    return LoadedExport(micro_export, flavor="portable")
 
 
 @pytest.mark.parametrize("graphs", ["fused", "portable"])
@@ -62,10 +62,10 @@ def test_micro_family_matches_hf_greedy(micro, micro_portable, micro_family, met
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("method", ["ar", "draft"])
 def test_other_architectures_match_hf_greedy(arch_exports, random_models, arch, method, graphs):
-    from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(arch_exports[arch], graphs=graphs)
+    export = LoadedExport(arch_exports[arch], flavor=graphs)
     for prompt in PROMPTS[:4]:
         ids = export.tokenizer.encode(prompt)
         ours = generate(export, ids, method=method, max_new_tokens=24, ignore_eos=True)

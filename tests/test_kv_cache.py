@@ -18,10 +18,10 @@ def _one_token_bytes(export) -> int:
 def test_bytes_per_step_do_not_grow_with_context(micro_export, graphs):
     """Portable graphs copy each accepted token's KV row once; fused graphs write
     the rows in place, so a chain (ar) copies nothing at all."""
-    from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(micro_export, graphs=graphs)
+    export = LoadedExport(micro_export, flavor=graphs)
     short = export.tokenizer.encode("x = 1\n")
     long = export.tokenizer.encode("import os\n" * 60)
     assert len(long) > 8 * len(short)
@@ -38,9 +38,9 @@ def test_in_place_commit_moves_only_the_rows_off_the_path():
     import numpy as np
 
     from specdeploy.runtime.kv_cache import KVCache
-    from specdeploy.runtime.manifest import ModelSpec
+    from specdeploy.runtime.graph_contract import ModelRecord
 
-    spec = ModelSpec("m", num_layers=2, num_kv_heads=2, head_dim=4, hidden_size=8, vocab_size=10)
+    spec = ModelRecord("m", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, hidden_size=8, vocab_size=10)
     cache = KVCache(spec, max_context=32, in_place=True)
     cache.length = 10
     for buf in (*cache.keys, *cache.values):  # row r of the step holds the value r
@@ -62,9 +62,9 @@ def test_feeding_the_past_does_not_copy_the_cache(micro_export):
     """Portable graphs get a view of the cache buffer, not a copy."""
     import numpy as np
 
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(micro_export, graphs="portable")
+    export = LoadedExport(micro_export, flavor="portable")
     cache = export.decoder("target").cache
     cache.length = 17
     k, v = cache.past(0)
@@ -76,9 +76,9 @@ def test_fused_graphs_write_the_cache_buffer_in_place(micro_export):
     """Fused graphs are bound to the cache's own buffers: a step's KV appears there, past untouched."""
     import numpy as np
 
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(micro_export)
+    export = LoadedExport(micro_export)
     dec = export.decoder("target")
     assert dec.fused
     dec.prefill(export.tokenizer.encode("def f(x):\n    return x"), export.prefill_chunk)
@@ -95,9 +95,9 @@ def test_fused_graphs_write_the_cache_buffer_in_place(micro_export):
 def test_runtime_imports_neither_torch_nor_transformers(micro_export):
     code = (
         "import sys\n"
-        "from specdeploy.runtime.export_dir import Export\n"
+        "from specdeploy.runtime.loaded_export import LoadedExport\n"
         "from specdeploy.runtime.generate import generate\n"
-        f"e = Export({str(micro_export)!r})\n"
+        f"e = LoadedExport({str(micro_export)!r})\n"
         "r = generate(e, e.tokenizer.encode('def f():'), method='draft', max_new_tokens=8)\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -46,9 +46,9 @@ def micro_target_export(micro_family, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def micro(micro_target_export):
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    return Export(micro_target_export, threads=1)
+    return LoadedExport(micro_target_export, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +84,9 @@ def test_micro_greedy_equals_hf(micro, micro_family, method, configs):
 
 
 def test_qwen3_greedy_equals_hf(qwen3_export, random_models):
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(qwen3_export, threads=1)
+    export = LoadedExport(qwen3_export, threads=1)
     assert {"lookahead", "prompt-lookup"} <= set(export.methods)
     runs = [("lookahead", None), ("lookahead", {"window": 4, "ngram": 3, "guesses": 3}), ("prompt-lookup", None)]
     bad, accepted = _greedy_mismatches(export, random_models["qwen3"][0], PROMPTS[:2], runs)

@@ -97,10 +97,10 @@ def medusa_exports(micro_family, trained_heads):
 
 @pytest.fixture(scope="module")
 def exports(medusa_exports):
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
     # One ORT thread: the suite shares two cores, and spinning thread pools crawl when oversubscribed.
-    return {name: Export(path, threads=1) for name, path in medusa_exports.items()}
+    return {name: LoadedExport(path, threads=1) for name, path in medusa_exports.items()}
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +324,8 @@ def test_draft_vocabulary_limits_candidates(medusa_exports, trained_heads, micro
     from specdeploy.export.check import check_path
     from specdeploy.export.exporter import export_all
     from specdeploy.runtime.backends import OrtGraph
-    from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
 
     config = tmp_path / "vocab.yaml"
     config.write_text("max_context: 256\nmethods:\n  medusa: {draft_vocab: 40}\n")
@@ -346,7 +346,7 @@ def test_draft_vocabulary_limits_candidates(medusa_exports, trained_heads, micro
         proposed |= set(graph.run({"hidden": rng.standard_normal((1, hidden_size)).astype(np.float32)})["topk_ids"]
                         .ravel().tolist())
     assert proposed and proposed <= allowed
-    export = Export(out, threads=1)
+    export = LoadedExport(out, threads=1)
     for prompt in PROMPTS[:3]:
         ids = export.tokenizer.encode(prompt)
         ours = generate(export, ids, method="medusa", max_new_tokens=NEW, ignore_eos=True)

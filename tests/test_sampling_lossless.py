@@ -53,10 +53,10 @@ def chi_square_pvalue(samples, dist):
 
 @pytest.mark.parametrize("method,overrides", [("draft", {"k": 1}), ("draft", {"k": 4}), ("ar", None)])
 def test_speculative_sampling_matches_target_distribution(micro_export, method, overrides):
-    from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(micro_export)
+    export = LoadedExport(micro_export)
     params = SamplingParams(temperature=1.3, top_k=6)
     ids = export.tokenizer.encode("def foo(x):\n    return")
     dist = exact_two_token_dist(export, ids, params)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specdeploy.runtime import AsyncRequest, BusyError, Export, Generation, SamplingParams, Service, SpecDeployError
+from specdeploy.runtime import AsyncRequest, BusyError, Generation, LoadedExport, SamplingParams, Service, SpecDeployError
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def export_dir(micro_export):
 
 def test_generate_equals_a_plain_generation(export_dir):
     svc = Service.load(export_dir, pool_size=1)
-    export = Export(export_dir)
+    export = LoadedExport(export_dir)
     for method, params in [("ar", SamplingParams()), ("draft", SamplingParams(0.8, 0, 1.0, 5))]:
         ids = export.tokenizer.encode("def main():")
         want = Generation(export, ids, method=method, params=params, max_new_tokens=30).result()
@@ -112,6 +112,46 @@ def test_cancel_mid_stream_returns_the_instance(export_dir):
     assert svc.pool.in_use == 0
     assert list(steps) == [] and req2.finish_reason == "cancelled"  # a closed request never steps again
     assert svc.generate("next", max_new_tokens=3).token_ids
+
+
+def test_cancel_during_prefill_stops_at_the_next_chunk(export_dir):
+    svc = Service.load(export_dir, pool_size=1, queue_size=0)
+    prompt = [5 + i % 97 for i in range(svc.max_context - 8)]  # several prefill chunks
+    req = svc.stream(prompt_ids=prompt, max_new_tokens=4, request_id="prefill-1")
+    assert req.id == "prefill-1"
+    req.cancel()  # before the first step: the prefill's first chunk runs, then it stops
+    assert list(req) == [] and req.finish_reason == "cancelled" and req.error is None
+    assert req.stats["prefill_calls"] == 1 and req.stats["target_calls"] == 0
+    assert svc.pool.in_use == 0
+    assert svc.generate(prompt_ids=prompt, max_new_tokens=2).stats["prefill_calls"] > 1
+
+
+def test_a_failing_generation_is_an_error_not_a_cancellation(export_dir, tmp_path):
+    from serve_util import break_decode_graphs, clone_export
+
+    broken = clone_export(export_dir, tmp_path / "broken")
+    break_decode_graphs(broken, 10)  # ONNX Runtime fails from position 10 on
+    svc = Service.load(broken, pool_size=1, queue_size=0)
+    assert len(svc.generate(prompt_ids=[5, 6, 7, 8], max_new_tokens=3).token_ids) == 3
+    req = svc.request(prompt_ids=[5, 6, 7, 8], max_new_tokens=40)
+    with pytest.raises(Exception, match="out of data bounds"):
+        req.result()
+    assert req.finish_reason == "error" and req.error is not None and req.stats["finish_reason"] == "error"
+    assert svc.pool.in_use == 0
+
+    finished = []
+
+    async def main():
+        run = AsyncRequest(svc.request(prompt_ids=[5, 6, 7, 8], max_new_tokens=40), on_finish=finished.append)
+        assert await run.start()
+        with pytest.raises(Exception, match="out of data bounds"):
+            await run.result()
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 5
+    while not finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.finish_reason for r in finished] == ["error"]
 
 
 def test_bad_requests_raise_before_queueing(export_dir):

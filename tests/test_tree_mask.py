@@ -8,9 +8,9 @@ from specdeploy.runtime.tree import Tree
 
 
 def test_tree_mask_equals_sequential_paths(micro_export):
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(micro_export)
+    export = LoadedExport(micro_export)
     dec = export.decoder("target")
     prompt = export.tokenizer.encode("class Foo(object):\n    def")
     tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
@@ -35,9 +35,9 @@ def test_tree_mask_equals_sequential_paths(micro_export):
 
 def test_static_graph_padding_does_not_change_logits(micro_export):
     """A 3-token call padded into a bigger static graph equals the same call unpadded."""
-    from specdeploy.runtime.export_dir import Export
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = Export(micro_export)
+    export = LoadedExport(micro_export)
     dec = export.decoder("target")
     dec.reset()
     dec.prefill(export.tokenizer.encode("import os\nimport sys\n"), export.prefill_chunk)

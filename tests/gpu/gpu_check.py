@@ -112,8 +112,8 @@ def step_env():
     info["onnxruntime"] = ort.__version__
     info["ort_providers"] = ort.get_available_providers()
     from specdeploy.runtime.backends import available_backends
-    from specdeploy.runtime.device_memory import cuda_runtime, load_cudart
-    from specdeploy.runtime.trt_backend import unavailable_reason
+    from specdeploy.runtime.backends.device_memory import cuda_runtime, load_cudart
+    from specdeploy.runtime.backends.trt import unavailable_reason
 
     info["tensorrt"] = unavailable_reason() or __import__("tensorrt").__version__
     lib, where = load_cudart()
@@ -162,8 +162,8 @@ def step_cudart(export: Path):
     """Our libcudart wrapper on the real GPU: the device KV cache's strided commit vs numpy."""
     import numpy as np
 
-    from specdeploy.runtime.device_kv import DeviceKVCache
-    from specdeploy.runtime.device_memory import CudaMemory, cuda_unavailable_reason
+    from specdeploy.runtime.backends.device_kv import DeviceKVCache
+    from specdeploy.runtime.backends.device_memory import CudaMemory, cuda_unavailable_reason
     from specdeploy.runtime.manifest import load_manifest
 
     reason = cuda_unavailable_reason()
@@ -192,10 +192,10 @@ def step_cudart(export: Path):
 
 
 def _ort_greedy(export: Path, backend: str, method: str):
-    from specdeploy.runtime.export_dir import Export
     from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.loaded_export import LoadedExport
 
-    ex = Export(export, backend=backend)
+    ex = LoadedExport(export, backend=backend)
     Generation(ex, PROMPT, method=method, max_new_tokens=4, ignore_eos=True).result()  # warm-up (sessions, engines)
     res = Generation(ex, PROMPT, method=method, max_new_tokens=NEW_TOKENS, ignore_eos=True).result()
     return res.token_ids, res.stats
@@ -206,7 +206,7 @@ def step_torch(family: Path, export: Path, device: str = "cuda"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdeploy.runtime.decoder import Decoder
+    from specdeploy.runtime.backends.ort_decoder import OrtDecoder
     from specdeploy.runtime.manifest import load_manifest
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -227,7 +227,7 @@ def step_torch(family: Path, export: Path, device: str = "cuda"):
             torch.cuda.synchronize()
         torch_s = time.perf_counter() - t0
     m = load_manifest(export)
-    dec = Decoder(m, "target", "ort-cpu")
+    dec = OrtDecoder(m, "target", "ort-cpu")
     step = dec.prefill(np.array(PROMPT), int(m.raw.get("prefill_chunk", 16)))
     ort_last = step.logits[-1]
     logit_diff = float(np.abs(ort_last - ref_logits[-1]).max())
