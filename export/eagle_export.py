@@ -25,7 +25,7 @@ from .eagle_fused import build_fused_eagle_head
 from .fused_graph import write_fused
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
-from .reference import random_tree_mask, run_torch, save_reference
+from .reference import random_tree_mask, save_reference, torch_reference
 
 
 class EagleDraftGraph(nn.Module):
@@ -93,7 +93,7 @@ def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int,
         args = [torch.from_numpy(feeds[n]) for n in inputs]
         export_module(wrapper, args, out / graph_file(name), inputs, outputs, dynamic, weights)
         ref = sample_feeds(t, width, min(29, max_context - t - 3), 3, head, seed=2000 + t)
-        ref_out = run_torch(wrapper, ref, inputs, outputs)
+        ref_out = torch_reference(wrapper, ref, inputs, outputs)
         save_reference(out, name, ref, ref_out)
         graphs[name] = GraphRecord.new(name, EAGLE, EAGLE_DRAFT, t, features=width)
         progress(f"  exported {graph_file(name)} (T={t}, features {width}) in {time.perf_counter() - start:.1f}s")

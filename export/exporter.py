@@ -20,7 +20,7 @@ from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .method_export import MethodExport, load_export_step
 from .onnx_writer import SharedWeights, export_module
-from .reference import decoder_feeds, run_torch, save_reference
+from .reference import decoder_feeds, save_reference, torch_reference
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json")  # a chat template as transformers writes it
@@ -89,7 +89,7 @@ class DecoderExporter:
                       self.weights)
         ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), geometry, vocab, self.dtype,
                                   seed=1000 + tokens)
-        ref_outputs = run_torch(self.wrapper, ref_feeds, self.inputs, self.outputs)
+        ref_outputs = torch_reference(self.wrapper, ref_feeds, self.inputs, self.outputs)
         save_reference(self.out, graph, ref_feeds, ref_outputs)
         self.progress(f"  exported {graph_file(graph)} (T={tokens}) in {time.perf_counter() - start:.1f}s")
         made = {graph: GraphRecord.new(graph, self.name, DECODER, tokens, flavor=PORTABLE)}

@@ -253,7 +253,7 @@ def write_fused(model: onnx.ModelProto, out_dir: Path, name: str, weights, porta
     weights.externalize(model, path)
     onnx.save(model, str(path))
     feeds = fused_feeds(portable_feeds, tokens)
-    save_reference(out_dir, name, feeds, fused_reference(feeds, portable_outputs, tokens))
+    save_reference(out_dir, name, feeds, portable_outputs.map(lambda outs: fused_reference(feeds, outs, tokens)))
 
 
 def fused_feeds(portable_feeds: dict[str, np.ndarray], tokens: int, slack: int = 3) -> dict[str, np.ndarray]:
@@ -281,7 +281,7 @@ def fused_reference(feeds: dict[str, np.ndarray], portable_outputs: dict[str, np
     past = int(feeds[PAST_LENGTH][0])
     for name, value in portable_outputs.items():
         if is_present(name):
-            buf = feeds[past_of(name)].copy()
+            buf = feeds[past_of(name)].astype(value.dtype)  # float64 for the reference
             buf[0, :, past : past + tokens] = value[0].transpose(1, 0, 2)
             out[name] = buf
     return out

@@ -27,7 +27,7 @@ from .draft_vocab import read_draft_vocab
 from .medusa_heads import MedusaHeads, load_heads
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
-from .reference import run_torch, save_reference
+from .reference import save_reference, torch_reference
 
 INPUTS, OUTPUTS = list(MEDUSA_HEADS_IO.inputs), list(MEDUSA_HEADS_IO.outputs)
 
@@ -89,7 +89,7 @@ class MedusaHeadsExporter(MethodExport):
         export_module(wrapper, [torch.from_numpy(sample)], out / graph_file(name), INPUTS, OUTPUTS,
                       {}, SharedWeights(out, weights_file("medusa")))
         ref = {HIDDEN: np.random.default_rng(1).standard_normal((1, hidden)).astype(np.float32)}
-        save_reference(out, name, ref, run_torch(wrapper, ref, INPUTS, OUTPUTS))
+        save_reference(out, name, ref, torch_reference(wrapper, ref, INPUTS, OUTPUTS))
         ctx["graphs"][name] = GraphRecord.new(name, TARGET, MEDUSA_HEADS, 1, extra={
             "num_heads": config.heads, "top_k": config.top_k, "num_layers": self.heads.num_layers,
             "source": self.heads.source, "draft_vocab": len(subset) if subset else self.heads.vocab_size})
