@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
 
 from ..runtime.aio import AsyncRequest
@@ -108,6 +109,8 @@ class Server:
             raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
         try:
             raw = await asyncio.wait_for(self._read(request, limit), self.limits.body_timeout_s)
+        except ClientDisconnect:
+            raise _ClientGone() from None
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
                            None, "request_timeout") from None
@@ -173,7 +176,8 @@ class Server:
         ctx, n, cap = self.model_len, len(prompt_ids), self.limits.max_tokens
         if n >= ctx:
             raise bad_request(f"this model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
-                              "(it must leave room for at least one new token)", prompt_param, "context_length_exceeded")
+                              "(it must leave room for at least one new token)", prompt_param,
+                              "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(default_max or ctx, ctx - n, cap or ctx)
         elif cap is not None and max_tokens > cap:
@@ -196,7 +200,10 @@ class Server:
         admitted = self.admit(request)
         deadline = _Deadline(self.limits.request_timeout_s)
         try:
-            body = await self.body(request, REQUEST_BODIES[request.url.path])
+            try:
+                body = await self.body(request, REQUEST_BODIES[request.url.path])
+            except _ClientGone:
+                return Response(status_code=499)
             if chat:
                 ids = await self.chat_prompt(body)
                 max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -352,8 +359,9 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
                     fields[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": server.limits.max_tokens},
                                               {"type": "null"}]}
         components[model.__name__] = body
-        schema["paths"][path]["post"]["requestBody"] = {
-            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        reference = {"$ref": f"#/components/schemas/{model.__name__}"}
+        schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                        "content": {"application/json": {"schema": reference}}}
     return schema
 
 
@@ -369,7 +377,8 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
     name = model_name or Path(manifest.root).resolve().name
     tokenizer_dir = manifest.root / manifest.tokenizer.get("dir", "tokenizer")
     has_template = ChatTemplate.from_tokenizer_dir(tokenizer_dir) is not None  # compiles it: fail at start-up
-    sandbox = TemplateSandbox(tokenizer_dir, limits.template_processes, limits.template_timeout_s) if has_template else None
+    sandbox = (TemplateSandbox(tokenizer_dir, limits.template_processes, limits.template_timeout_s)
+               if has_template else None)
     metrics = Metrics(service)
     server = Server(service, name, sandbox, metrics, limits)
 

@@ -34,8 +34,8 @@ class _Common(BaseModel):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     # Fields typed Any are checked by hand for a clear message; their OpenAPI schema says what is accepted.
-    stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                                                          {"type": "null"}]})
+    stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "null"},
+                                                          {"type": "array", "items": {"type": "string"}}]})
     seed: Optional[int] = Field(None, ge=0)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
