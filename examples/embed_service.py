@@ -15,14 +15,24 @@ from concurrent.futures import ThreadPoolExecutor
 from specdeploy.runtime import AsyncRequest, BusyError, Service, SpecDeployError
 
 
-def handle(svc: Service, prompt: str) -> dict:
-    """What a synchronous request handler (Flask, a queue consumer, ...) would do."""
+def handle(svc: Service, prompt: str, request_id: str | None = None) -> dict:
+    """What a synchronous request handler (Flask, a queue consumer, ...) would do.
+
+    Validation and running are two steps so that a fault while generating is never blamed on
+    the caller: bad input is a 400, a full service a 429, anything that fails later a 500.
+    """
     try:
-        result = svc.generate(prompt, max_new_tokens=24, temperature=0.0, method=svc.default_method)
-    except BusyError as exc:  # pool and queue full, or waited too long: shed load
-        return {"status": 429, "error": str(exc)}
+        req = svc.request(prompt, max_new_tokens=24, temperature=0.0, method=svc.default_method,
+                          request_id=request_id)
     except SpecDeployError as exc:  # bad input: the message says what to fix
         return {"status": 400, "error": str(exc)}
+    try:
+        with req:  # frees the instance however the block ends
+            result = req.result()
+    except BusyError as exc:  # pool and queue full, or waited too long: shed load
+        return {"status": 429, "error": str(exc)}
+    except Exception:  # our fault, not the caller's (req.finish_reason is "error"): log req.id, answer 500
+        return {"status": 500, "error": f"internal error (request {req.id})"}
     return {"status": 200, "text": result.text, "tokens": len(result.token_ids),
             "acceptance_length": round(result.stats["acceptance_length"], 2), "queue_s": result.stats["queue_s"]}
 
