@@ -131,8 +131,16 @@ class Server:
             raw.append(chunk)
         return b"".join(raw)
 
-    async def encode(self, text: str) -> list[int]:
-        return await run_in_threadpool(self.service.tokenizer.encode, text)
+    async def encode(self, text: str, rendered: bool = False) -> list[int]:
+        """Off the event loop; a tokenizer that takes too long is answered (its thread ends on its own:
+        admission bounds how many there are, the body limit how long each runs)."""
+        tok = self.service.tokenizer
+        work = run_in_threadpool(encode_rendered, tok, text) if rendered else run_in_threadpool(tok.encode, text)
+        try:
+            return await asyncio.wait_for(work, self.limits.tokenize_timeout_s)
+        except asyncio.TimeoutError:
+            raise internal(f"tokenizing the prompt took longer than {self.limits.tokenize_timeout_s:g} s",
+                           "tokenize_timeout") from None
 
     async def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -163,7 +171,7 @@ class Server:
             raise internal(str(exc), "chat_template_timeout") from None
         except TemplateFailure as exc:
             raise internal(str(exc), "chat_template_failed") from None
-        return await run_in_threadpool(encode_rendered, self.service.tokenizer, text)
+        return await self.encode(text, rendered=True)  # the template already wrote BOS and the like
 
     def options(self, body, prompt_ids: list[int], max_tokens: int | None, default_max: int | None,
                 prompt_param: str, tokens_param: str) -> dict:

@@ -18,6 +18,7 @@ class ServeLimits:
     max_stop_chars: int = 256  # a stop string's length: text that may still become one is held back
     request_timeout_s: float | None = 600.0  # arrival to last token, queue included; None: no deadline
     template_timeout_s: float = 2.0  # rendering one chat prompt
+    tokenize_timeout_s: float = 10.0  # tokenizing one prompt (a body-limited one takes well under a second)
     template_processes: int = 2
 
     def __post_init__(self):
@@ -28,7 +29,7 @@ class ServeLimits:
         for name in ("max_body_bytes", "max_stop", "max_stop_chars", "template_processes"):
             if getattr(self, name) < 1:
                 raise SpecDeployError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("body_timeout_s", "request_timeout_s", "template_timeout_s"):
+        for name in ("body_timeout_s", "request_timeout_s", "template_timeout_s", "tokenize_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise SpecDeployError(f"{name.replace('_', '-')} must be > 0 seconds, got {value!r}")
