@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -54,7 +54,8 @@ def decoder_feeds(t: int, past: int, spec: dict, vocab: int, dtype: torch.dtype,
     }
     for i in range(spec["num_layers"]):
         for kind in ("key", "value"):
-            feeds[f"past_{kind}.{i}"] = rng.standard_normal((1, past, spec["num_kv_heads"], spec["head_dim"])).astype(np_dtype)
+            shape = (1, past, spec["num_kv_heads"], spec["head_dim"])
+            feeds[f"past_{kind}.{i}"] = rng.standard_normal(shape).astype(np_dtype)
     return feeds
 
 
@@ -68,7 +69,7 @@ class TorchReference:
     dtype: str
     noise_errors: dict[str, list[float]]
 
-    def map(self, fn: Callable[[dict], dict]) -> "TorchReference":
+    def map(self, fn: Callable[[dict], dict]) -> TorchReference:
         """The same transform on both runs (the fused graphs place new KV rows into buffers).
         `fn` only moves values (the past rows it adds are exact), so the noise errors carry over."""
         return TorchReference(fn(self.reference), fn(self.torch), self.dtype, self.noise_errors)
@@ -78,7 +79,8 @@ def _numpy(o: torch.Tensor) -> np.ndarray:
     return o.float().numpy() if o.dtype == torch.bfloat16 else o.numpy()  # numpy has no bfloat16
 
 
-def run_torch(module: torch.nn.Module, feeds: dict[str, np.ndarray], input_names, output_names) -> dict[str, np.ndarray]:
+def run_torch(module: torch.nn.Module, feeds: dict[str, np.ndarray], input_names,
+              output_names) -> dict[str, np.ndarray]:
     """The module as it is (its own dtype)."""
     with torch.no_grad():
         outs = module(*[torch.from_numpy(feeds[n]) for n in input_names])
@@ -126,7 +128,8 @@ def float64_weights(module: torch.nn.Module):
             t.data = t.data.to(dtype)
 
 
-def run_float64(module: torch.nn.Module, feeds: dict[str, np.ndarray], input_names, output_names) -> dict[str, np.ndarray]:
+def run_float64(module: torch.nn.Module, feeds: dict[str, np.ndarray], input_names,
+                output_names) -> dict[str, np.ndarray]:
     """The same module and inputs, computed in float64 throughout (float inputs widen exactly)."""
     args = [torch.from_numpy(feeds[n]) for n in input_names]
     args = [a.to(torch.float64) if a.is_floating_point() else a for a in args]
