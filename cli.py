@@ -70,7 +70,8 @@ def cmd_generate(args) -> int:
     else:
         ids = _ids(args.prompt_ids) if args.prompt_ids is not None else export.tokenizer.encode(args.prompt)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
-                     stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param))
+                     stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param),
+                     adaptive=args.adaptive)
     if args.json:
         result = gen.result()
         print(json.dumps(result.to_json()))
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
+                   help="speculate every step (default: decode plainly while speculating is measured slower; "
+                   "SPECDEPLOY_ADAPTIVE=0 switches it off everywhere)")
     g.add_argument("--param", action="append", metavar="KEY=VALUE",
                    help="override a setting of the method's exported config, e.g. --param max_ngram=2 (repeatable; "
                    f"values as in YAML). Keys: {_method_settings()}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adaptive import AdaptivePolicy, Memory, on_by_default
 from .drafters.base import DecodeState, Drafter, Proposal
 from .errors import SpecDeployError
 from .loaded_export import LoadedExport
@@ -60,15 +61,23 @@ class Generation:
     """One request. Iterate for streamed tokens; call cancel() from any thread to stop it.
 
     `method_overrides` change the export's config of `method` for this request; `drafter`
-    is one the caller built for `method` (tree tuning wraps one to observe it)."""
+    is one the caller built for `method` (tree tuning wraps one to observe it). `adaptive`
+    decodes plainly while speculating is measured slower (runtime/adaptive.py); None: on,
+    unless the environment sets SPECDEPLOY_ADAPTIVE=0."""
 
     def __init__(self, export: LoadedExport, prompt_ids: list[int], method: str = "ar", params: SamplingParams | None = None,
                  max_new_tokens: int = 64, stop: list[str] | None = None, ignore_eos: bool = False,
-                 method_overrides: dict | None = None, drafter: Drafter | None = None):
+                 method_overrides: dict | None = None, drafter: Drafter | None = None, adaptive: bool | None = None):
         self.params = params or SamplingParams()
         validate_request(export, list(prompt_ids), max_new_tokens)
         self.export, self.method, self.max_new = export, method, max_new_tokens
-        self.drafter = drafter or build_drafter(export, export.method_config(method, method_overrides))
+        config = export.method_config(method, method_overrides)
+        self.drafter = drafter or build_drafter(export, config)
+        self.speculative = config.verify_tokens > 1  # ar never speculates: nothing to adapt
+        self._times_key = repr(config)
+        self.policy = None
+        if self.speculative and (on_by_default() if adaptive is None else adaptive):
+            self.policy = AdaptivePolicy.resume(export.part("adaptive", Memory), self._times_key)
         self.target = export.decoder("target")
         self.stop = [s for s in (stop or []) if s]
         self.eos = set() if ignore_eos else export.eos_token_ids
@@ -80,7 +89,8 @@ class Generation:
         self.finish_reason: str | None = None
         self._cancelled = False
         self.stats = {"method": method, "new_tokens": 0, "target_calls": 0, "prefill_calls": 0,
-                      "accepted_drafts": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "host_s": 0.0}
+                      "accepted_drafts": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "host_s": 0.0,
+                      "adaptive": self.policy is not None, "spec_steps": 0, "plain_steps": 0}
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -88,7 +98,7 @@ class Generation:
     # -- the loop -----------------------------------------------------------------
     def __iter__(self):
         t0 = time.perf_counter()
-        target, drafter, state = self.target, self.drafter, self.state
+        target, drafter, state, policy = self.target, self.drafter, self.state, self.policy
         target.reset()
         calls0, verify0 = target.calls, target.seconds
         try:
@@ -105,14 +115,18 @@ class Generation:
                 self.finish_reason = "cancelled"
                 break
             td = time.perf_counter()
-            proposal = drafter.propose(state)
+            # Decided before drafting, from committed steps only: sampling stays exact.
+            speculate = self.speculative and (policy is None or policy.speculate())
+            proposal = drafter.propose(state) if speculate else Proposal.root_only(state.tokens[-1])
             self.stats["draft_s"] += time.perf_counter() - td
             room = target.max_context - target.cache.length
             if room < 1:
                 self.finish_reason = "length"
                 break
+            timed = policy is not None
             if proposal.size > 1 and target.graph_for(proposal.size) > room:
                 proposal = Proposal.root_only(state.tokens[-1])  # near the context end: plain decode
+                speculate = timed = False  # drafted for nothing: no sample of either kind of step
             tv = time.perf_counter()
             tree = proposal.tree
             out = target.forward(*proposal.packed(target.cache.length))  # tree rows first, then aux rows
@@ -124,6 +138,10 @@ class Generation:
             self.stats["accepted_drafts"] += verdict.accepted_drafts
             state.tokens.extend(accepted)
             drafter.update(state, proposal, verdict, out)
+            if timed:  # the step's own work (the consumer's time between yields is not the step's);
+                # a step that verified the root alone (the drafter proposed nothing) is a plain one
+                policy.observe(proposal.size > 1, time.perf_counter() - td, len(accepted))
+            self.stats["spec_steps" if speculate else "plain_steps"] += 1
             for tok in accepted:
                 event = self._emit(tok)
                 if event is not None:
@@ -136,6 +154,8 @@ class Generation:
         if tail is not None:
             yield tail
         self.stats["kv_bytes_copied"] = target.cache.bytes_copied - kv0
+        if policy is not None:
+            policy.remember(self.export.part("adaptive", Memory), self._times_key)
         self._finish_stats(time.perf_counter() - t0)
 
     def _prefilled(self, step) -> None:

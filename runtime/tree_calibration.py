@@ -35,7 +35,9 @@ class ObservedDrafter(Drafter):
 def _run(export, ids: list[int], method: str, max_new_tokens: int, drafter: Drafter | None = None):
     from .generate import Generation
 
-    gen = Generation(export, ids, method=method, max_new_tokens=max_new_tokens, ignore_eos=True, drafter=drafter)
+    # Every step drafts (no adaptive fallback): calibration observes the drafter and its cost per step.
+    gen = Generation(export, ids, method=method, max_new_tokens=max_new_tokens, ignore_eos=True, drafter=drafter,
+                     adaptive=False)
     gen.result()
     return gen
 

@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+# Tests of drafters assert what they draft and accept; adaptive speculation (which decodes
+# plainly while speculating is measured slower, so depends on timings) is off unless a test
+# asks for it: tests/test_adaptive.py.
+os.environ.setdefault("SPECDEPLOY_ADAPTIVE", "0")
+
 REPO = Path(__file__).resolve().parent.parent
 BUILD = REPO / "build"
 SPECDEPLOY = [sys.executable, "-m", "specdeploy.cli"]

@@ -137,8 +137,9 @@ class LookaheadDrafter(Drafter):
             if self.steps >= self.n - 2:
                 for column in np.vstack([self.grid, guesses[None]]).T.tolist():
                     self.pool.add(column[0], column[1:])
-        else:  # plain decode near the context end: no new iterate
+        else:  # a plain step (adaptive fallback, the context end): no new iterate
             guesses = self.grid[-1]
+            self.steps = -1  # the levels go stale: harvest again once fresh outputs fill them
         self.steps += 1
         newer = np.vstack([self.grid[1:], guesses[None]])
         keep = max(0, self.w - (shift - 1))
