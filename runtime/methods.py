@@ -4,7 +4,7 @@ methods exist (configs, the exporter, the CLI, tree tuning, the bench) looks the
 from __future__ import annotations
 
 from .config import describe
-from .drafters import ar, draft_model, eagle, lookahead, medusa, prompt_lookup
+from .drafters import ar, draft_model, eagle, lookahead, medusa, prompt_lookup, suffix
 from .errors import SpecDeployError
 from .method_spec import MethodSpec
 from .tree_calibration import calibrate_eagle, calibrate_medusa
@@ -14,6 +14,7 @@ REGISTRY: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(draft_model.DraftConfig, draft_model.build, export_input="draft"),
     MethodSpec(prompt_lookup.PromptLookupConfig, prompt_lookup.build),
     MethodSpec(lookahead.LookaheadConfig, lookahead.build),
+    MethodSpec(suffix.SuffixConfig, suffix.build),
     MethodSpec(eagle.EagleConfig, eagle.build, export_input="eagle", export_step="eagle_export:EagleHeadExporter",
                calibrate=calibrate_eagle),
     MethodSpec(medusa.MedusaConfig, medusa.build, export_input="medusa",

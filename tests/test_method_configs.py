@@ -18,15 +18,16 @@ SHIPPED = {
     "draft": {"k": 8},
     "prompt-lookup": {"k": 14, "max_ngram": 3, "min_ngram": 1},
     "lookahead": {"window": 3, "ngram": 4, "guesses": 2},
+    "suffix": {"max_nodes": 14, "max_match": 8, "min_prob": 0.1, "cache_tokens": 32768},
     "eagle": {"mode": "eagle2", "top_k": 2, "depth": 6, "total_tokens": 8, "draft_vocab": 1024,
               "tree": "eagle1_mc_sim_7b_63"},
     "medusa": {"heads": 4, "tree": "medusa_cpu_8", "draft_vocab": 1024},
 }
-VERIFY_TOKENS = {"ar": 1, "draft": 9, "prompt-lookup": 15, "lookahead": 15, "eagle": 9, "medusa": 9}
+VERIFY_TOKENS = {"ar": 1, "draft": 9, "prompt-lookup": 15, "lookahead": 15, "suffix": 15, "eagle": 9, "medusa": 9}
 
 
 def test_registry_lists_every_method_once():
-    assert known_methods() == ["ar", "draft", "prompt-lookup", "lookahead", "eagle", "medusa"]
+    assert known_methods() == ["ar", "draft", "prompt-lookup", "lookahead", "suffix", "eagle", "medusa"]
     assert all(name == spec.config.method for name, spec in REGISTRY.items())
     assert {n for n, s in REGISTRY.items() if s.export_input} == {"draft", "eagle", "medusa"}
     assert {n for n, s in REGISTRY.items() if s.calibrate} == {"eagle", "medusa"}
@@ -132,5 +133,5 @@ def test_generate_help_lists_the_registry():
     proc = run_cli("generate", "--help")
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
-    assert "ar | draft | prompt-lookup | lookahead | eagle | medusa" in text
+    assert "ar | draft | prompt-lookup | lookahead | suffix | eagle | medusa" in text
     assert "lookahead: window, ngram, guesses" in text

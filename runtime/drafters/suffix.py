@@ -1,0 +1,103 @@
+"""Suffix decoding (ArcticInference; Oliaro et al., 2024) on the host.
+
+Two suffix trees (runtime/drafters/suffix_tree.py) count what followed every substring:
+one over this request's prompt, built when it starts; one over the outputs of this and
+earlier requests, kept across requests (with no cache, the output joins the prompt's). Each step the longest context suffix (at most
+`max_match` tokens) found in a tree is continued by a tree of its likeliest continuations,
+best-first by empirical path probability, within `max_nodes`. Of the two trees' proposals
+the one continuing the longer match wins (then the higher expected acceptance). Drafts
+are deterministic, verified like prompt lookup's (greedy exact, sampling lossless).
+
+The cross-request cache lives on the loaded export (`LoadedExport.part`): one per export
+instance, so one per `Service` with the default pool of one (a pool of N holds N, each
+learning from the requests it served). It is never shared between services, and never
+between tenants unless they share a service: run one service per tenant when earlier
+outputs must not shape (or be inferred from the speed of) another tenant's answers. It
+holds at most `cache_tokens` tokens (the oldest request's output evicted first; memory
+at most about `cache_tokens x (max_match + max_nodes)` trie nodes, far fewer on text that
+does not repeat) and is emptied only with the process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..config import positive_int
+from ..errors import SpecDeployError
+from ..tree import Tree
+from .base import DecodeState, Drafter, Proposal
+from .suffix_tree import SuffixCache, SuffixTree
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    method: ClassVar[str] = "suffix"
+
+    max_nodes: int = 14  # candidate tokens per step; verify T = max_nodes + 1 = 15, the graph prompt-lookup
+    #                      and lookahead already use (any proposal is padded to it, so a full budget is free)
+    max_match: int = 8  # longest context suffix looked up; trees hold max_match + max_nodes tokens deep
+    min_prob: float = 0.1  # candidates whose empirical path probability is lower are not proposed
+    cache_tokens: int = 32768  # earlier requests' output tokens kept per export instance (0: none)
+
+    def __post_init__(self):
+        positive_int(self.max_nodes, "suffix.max_nodes")
+        positive_int(self.max_match, "suffix.max_match")
+        positive_int(self.cache_tokens, "suffix.cache_tokens", 0)
+        if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, (int, float)) \
+                or not 0.0 <= self.min_prob <= 1.0:
+            raise SpecDeployError(f"config: suffix.min_prob must be a number in [0, 1], got {self.min_prob!r}")
+
+    @property
+    def depth(self) -> int:
+        return self.max_match + self.max_nodes
+
+    @property
+    def verify_tokens(self) -> int:
+        return self.max_nodes + 1
+
+
+def build(export, config: SuffixConfig) -> SuffixDrafter:
+    cache = None
+    if config.cache_tokens:  # keyed by its shape: a request overriding it gets its own
+        cache = export.part(f"suffix-cache:{config.depth}:{config.cache_tokens}",
+                            lambda: SuffixCache(config.depth, config.cache_tokens))
+    return SuffixDrafter(config, cache)
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, config: SuffixConfig, cache: SuffixCache | None = None):
+        self.config, self.cache = config, cache
+
+    def start(self, state: DecodeState) -> None:
+        self.local = SuffixTree(self.config.depth)
+        self.local.extend(0, state.tokens)
+        self.seq = None
+        if self.cache is not None:  # the output goes to the cache only: indexed once, not twice
+            self.local.close(0)
+            self.seq = self.cache.begin()
+
+    def propose(self, state: DecodeState) -> Proposal:
+        c, context = self.config, state.tokens
+        best = None
+        for tree in (self.local, self.cache.tree) if self.cache is not None else (self.local,):
+            draft = tree.draft(context, c.max_match, c.max_nodes, c.min_prob)
+            if draft is not None and (best is None or (draft.match, draft.score) > (best.match, best.score)):
+                best = draft
+        if best is None:
+            return Proposal.root_only(context[-1])
+        n = len(best.tokens)
+        chain = best.parents == tuple(range(-1, n - 1))  # the shared, precomputed chain tree
+        return Proposal(Tree.chain(n) if chain else Tree((-1,) + tuple(p + 1 for p in best.parents)),
+                        np.array((context[-1],) + best.tokens, dtype=np.int64))
+
+    def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
+        new = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus token
+        if self.cache is not None:
+            self.cache.extend(self.seq, new)
+        else:
+            self.local.extend(0, new)
