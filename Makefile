@@ -21,7 +21,7 @@ $(VENV)/.stamp: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch from the local wheel when present (the CPU build), else any in range
-	$(VPY) -m pip install -q "torch==2.13.0" || $(VPY) -m pip install -q "torch>=2.4,<2.15"
+	$(VPY) -m pip install -q "torch==2.13.0" || $(VPY) -m pip install -q "torch>=2.10,<2.15"
 	$(VPY) -m pip install -q -e ".[export,serve,bench,test]"
 	touch $@
 

@@ -9,6 +9,9 @@
 * Timing cache: OUT/engines/timing.cache (or --timing-cache), loaded before and
   saved after every engine, so rebuilding one graph, or a sibling export on the
   same GPU, skips most kernel timing.
+* Crash safety: every file is written to a temp name and renamed (a kill -9 leaves the
+  previous engine and record; the next run removes the temp files), and the run holds
+  the export's lock (export/out_dir.py), so it never races an export replacing OUT.
 * Bookkeeping: OUT/engines.json (engines/engine_manifest.py writes it,
   runtime/backends/engine_records.py reads it). Fresh engines are kept; missing or stale ones are (re)built with the reason printed; --rebuild
   rebuilds everything; --no-rebuild turns a missing or stale engine into an error.
@@ -29,7 +32,8 @@ from ..runtime.backends.engine_records import ENGINE_DIR, engine_rel, file_diges
 from ..runtime.backends.trt_profiles import NoProfile, graph_profile, profile_json
 from ..runtime.errors import SpecDeployError
 from ..runtime.manifest import load_manifest
-from .engine_manifest import atomic_write, graph_sources, make_record, save_engines
+from ..export.out_dir import export_lock
+from .engine_manifest import atomic_write, graph_sources, make_record, remove_partial_writes, save_engines
 
 TIMING_CACHE = f"{ENGINE_DIR}/timing.cache"
 
@@ -128,10 +132,17 @@ def build_engines(export_dir: str | Path, rebuild: bool = False, workspace_gb: f
         raise SpecDeployError(f"cannot build TensorRT engines: {reason}")
     import tensorrt as trt
 
+    with export_lock(Path(export_dir), required=False):  # never beside a running export's swap
+        return _build_engines(trt, export_dir, rebuild, workspace_gb, timing_cache, progress, allow_build)
+
+
+def _build_engines(trt, export_dir, rebuild, workspace_gb, timing_cache, progress, allow_build) -> list[BuildResult]:
     from ..runtime.backends.trt import gpu_identity, trt_logger
 
     manifest = load_manifest(export_dir)
     root = manifest.root
+    for path in remove_partial_writes(root):
+        progress(f"  removed {path.name}, left by an interrupted run")
     identity = {"tensorrt": trt.__version__, **gpu_identity()}
     data = load_engines(root)
     digest = file_digests(root)
@@ -141,8 +152,9 @@ def build_engines(export_dir: str | Path, rebuild: bool = False, workspace_gb: f
     results = []
     for name, graph in manifest.trt_graphs().items():
         record = data["engines"].get(name)
+        # The engine's sha256 too (the trt backend checks it): a corrupted plan is rebuilt, not kept.
         why = ["--rebuild"] if rebuild else (["no engine built"] if record is None
-                                             else stale_reasons(root, record, digest, **identity))
+                                             else stale_reasons(root, record, digest, verify_engine=True, **identity))
         if not why:
             results.append(BuildResult(name, "kept", "fresh"))
             progress(f"  {name}: fresh, kept")

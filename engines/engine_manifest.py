@@ -11,17 +11,24 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..runtime.backends.engine_records import ENGINES_JSON, engine_rel, file_digests, load_engines, stale_reasons
+from ..runtime.backends.engine_records import (ENGINE_DIR, ENGINES_JSON, engine_rel, file_digests, load_engines,
+                                               stale_reasons)
 from ..runtime.manifest import Manifest
+from ..runtime.onnx_external import external_data_locations
+
+PARTIAL = ".partial-"  # temp files of atomic_write: `.NAME.partial-XXXX`, removed by the next run
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temp file + rename so a crash never leaves a half-written engine or manifest."""
+    """Write via a temp file + fsync + rename so a crash never leaves a half-written engine or
+    manifest under its real name (a kill -9 leaves at most a temp file: remove_partial_writes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{PARTIAL}")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -29,39 +36,27 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def remove_partial_writes(root: Path) -> list[Path]:
+    """Temp files an interrupted `specdeploy engines` left in the export (the caller holds the lock)."""
+    gone = []
+    for folder in (Path(root), Path(root) / ENGINE_DIR):
+        if folder.is_dir():
+            for path in folder.glob(f".*{PARTIAL}*"):
+                if path.is_file() and not path.is_symlink():
+                    path.unlink()
+                    gone.append(path)
+    return gone
+
+
 def save_engines(root: str | Path, data: dict) -> None:
     atomic_write(Path(root) / ENGINES_JSON, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
-
-
-def external_data_files(onnx_path: Path) -> list[str] | None:
-    """Weights files an ONNX graph references (relative to its directory); None without the onnx package."""
-    try:
-        import onnx
-    except ImportError:
-        return None
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    files = set()
-    graphs = [model.graph]
-    while graphs:  # subgraphs (If/Loop bodies) can hold initializers too
-        g = graphs.pop()
-        for init in g.initializer:
-            if init.data_location == onnx.TensorProto.EXTERNAL:
-                files.update(e.value for e in init.external_data if e.key == "location")
-        for node in g.node:
-            graphs.extend(a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
-            for a in node.attribute:
-                graphs.extend(a.graphs)
-    return sorted(files)
 
 
 def graph_sources(manifest: Manifest, graph: str) -> list[str]:
     """Files (relative to the export dir) an engine of `graph` is built from: its ONNX and weights."""
     g = manifest.graphs[graph]
-    rels = external_data_files(manifest.graph_path(g))
-    if rels is None:  # no onnx package: every weights file counts, which can only over-report staleness
-        rels = [r for r in manifest.files if r.startswith("weights/")]
     parent = Path(g.file).parent
-    return [g.file] + [(parent / r).as_posix() for r in rels]
+    return [g.file] + [(parent / r).as_posix() for r in external_data_locations(manifest.graph_path(g))]
 
 
 def engine_status(manifest: Manifest, **here) -> dict[str, list[str]]:

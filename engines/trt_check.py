@@ -64,14 +64,17 @@ def _engine_bytes(manifest, graph) -> tuple[bytes, str]:
     """The fresh built engine if there is one, else a new in-memory build."""
     import tensorrt as trt
 
-    from ..runtime.backends.engine_records import file_digests, load_engines, stale_reasons
+    from ..runtime.backends.engine_records import check_engine_bytes, file_digests, load_engines, stale_reasons
     from ..runtime.backends.trt import gpu_identity, trt_logger
     from .builder import TIMING_CACHE, TimingCache, build_engine
 
     record = load_engines(manifest.root)["engines"].get(graph.name)
     here = {"tensorrt": trt.__version__, **gpu_identity()}
     if record and not stale_reasons(manifest.root, record, file_digests(manifest.root), **here):
-        return (manifest.root / record["file"]).read_bytes(), "built engine"
+        path = manifest.root / record["file"]
+        blob = path.read_bytes()
+        check_engine_bytes(record, blob, path)
+        return blob, "built engine"
     logger = trt_logger()
     blob, _ = build_engine(trt, trt.Builder(logger), logger, manifest, graph, None,
                            TimingCache(manifest.root / TIMING_CACHE))

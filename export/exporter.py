@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,14 +14,16 @@ from ..runtime.config import ExportConfig, load_export_config, to_dict
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (DECODER, DRAFT, FUSED, PORTABLE, TARGET, GraphRecord, KVGeometry, ModelRecord,
                                       decoder_graph_name, decoder_io, graph_file, is_past, weights_file)
-from ..runtime.manifest import sha256_file, write_manifest
+from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
+from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
 from .decoder_graph import DecoderGraph
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .method_export import MethodExport, load_export_step
 from .onnx_writer import SharedWeights, export_module
-from .reference import decoder_feeds, save_reference, torch_reference
+from .out_dir import Staging, checked_out_dir
+from .reference import CHECK_DIR, decoder_feeds, save_reference, torch_reference
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json")  # a chat template as transformers writes it
@@ -130,11 +133,17 @@ def export_methods(overrides: dict[str, dict], sources: dict[str, Path | None]) 
 
 def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
                config: Path | None = None, progress=print, eagle: Path | None = None,
-               medusa: Path | None = None, medusa_tree: str | None = None, fused: bool = True) -> Path:
+               medusa: Path | None = None, medusa_tree: str | None = None, fused: bool = True,
+               check: Callable[[Manifest], None] | None = None) -> Path:
     """The whole export. `draft` (a draft model), `eagle` (an EAGLE head dir) and `medusa` (a Medusa
     heads dir, published layout) add the methods that need them; `medusa_tree` overrides
     methods.medusa.tree; `fused` adds each decoder's ORT-CPU graphs (export/fused_graph.py)
-    beside the portable ones."""
+    beside the portable ones.
+
+    Everything is written to a staging directory beside `out` (export/out_dir.py) and swapped in
+    only at the end, after `check` (the accuracy check: raises SpecDeployError on a failure) has
+    passed on the staged export as the runtime loads it; until then `out` is untouched. The
+    manifest records `check: passed`, or `skipped` without one."""
     start = time.perf_counter()
     cfg, overrides = load_export_config(config)
     if medusa_tree is not None:
@@ -147,7 +156,6 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
                                       for name, spec in REGISTRY.items() if name in methods and spec.export_step}
     token_counts = target_token_counts(cfg, methods)  # config errors before anything is written
     torch.manual_seed(0)
-    out = Path(out)
     target_cfg = read_hf_config(target)
     check_context("target", target_cfg, cfg.max_context)
     draft_cfg = None
@@ -159,11 +167,35 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
     for name, step in steps.items():  # heads checked against the target before anything is written
         methods[name] = step.check(target_cfg, methods[name], progress)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    graphs, models = {}, {}
+    inputs = {"target": target, "draft": draft, "eagle": eagle, "medusa": medusa, "config": config}
+    real_out = checked_out_dir(Path(out), inputs)  # before any model loads: --out never eats an input
+    with Staging(real_out, progress) as stage:
+        graphs, models = _write_export(stage.path, target, draft, dtype, cfg, methods, steps, token_counts,
+                                       fused, progress)
+        files = {str(p.relative_to(stage.path)): sha256_file(p) for p in sorted(stage.path.rglob("*"))
+                 if p.is_file() and p.relative_to(stage.path).parts[0] != CHECK_DIR}
+        seconds = round(time.perf_counter() - start, 1)
+        write_manifest(stage.path, dtype=dtype, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
+                       models=models, graphs=graphs,
+                       tokenizer={"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
+                       methods={name: to_dict(settings) for name, settings in methods.items()}, files=files,
+                       check=CHECK_PENDING if check else CHECK_SKIPPED, exported_in_s=seconds)
+        # The staged export as the runtime will load it (every field and path validated); checksums
+        # were just computed from these files.
+        manifest = load_manifest(stage.path, verify_checksums=False, allow_pending=True)
+        if check is not None:
+            check(manifest)
+            set_check(stage.path, CHECK_PASSED)
+        stage.publish()
+    progress(f"wrote {Path(out) / MANIFEST_NAME}: {len(graphs)} graphs in {seconds}s"
+             f"{'' if check else ' (accuracy check skipped)'}")
+    return Path(out)
 
+
+def _write_export(out: Path, target: Path, draft: Path | None, dtype: str, cfg: ExportConfig, methods: dict,
+                  steps: dict[str, MethodExport], token_counts: list[int], fused: bool, progress):
+    """Graphs, references and tokenizer files into `out` (the staging directory); (graphs, models)."""
+    graphs, models = {}, {}
     progress(f"loading target from {target} ({dtype})")
     target_model = load_causal_lm(Path(target), dtype)
     feature_layers = tuple(layer for step in steps.values() for layer in step.prepare(target_model, progress))
@@ -184,20 +216,9 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
            "fused": fused and dtype in FUSED_DTYPES}
     for step in steps.values():
         step(ctx)
-
     tok_dir = out / "tokenizer"
     tok_dir.mkdir()
     for fname in TOKENIZER_FILES:
         if (Path(target) / fname).is_file():
             shutil.copy(Path(target) / fname, tok_dir / fname)
-    files = {}
-    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.parent.name != "check"):
-        files[str(path.relative_to(out))] = sha256_file(path)
-    seconds = round(time.perf_counter() - start, 1)
-    path = write_manifest(out, dtype=dtype, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
-                          models=models, graphs=graphs,
-                          tokenizer={"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
-                          methods={name: to_dict(settings) for name, settings in methods.items()}, files=files,
-                          exported_in_s=seconds)
-    progress(f"wrote {path}: {len(graphs)} graphs in {seconds}s")
-    return out
+    return graphs, models

@@ -47,23 +47,100 @@ def load_causal_lm(model_dir: Path, dtype: str = "float32"):
     return model.eval()
 
 
-def tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
-    path = Path(model_dir) / "tokenizer.json"
+def _json_file(path: Path):
+    """A model dir's JSON file, None when absent, one clear error when unreadable."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())["model"]["vocab"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise SpecDeployError(f"{path} is not a valid tokenizer file: {exc}") from None
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecDeployError(f"{path} is not valid JSON: {exc}") from None
+
+
+def tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
+    """The base vocabulary (token -> id) from tokenizer.json, else vocab.json; None without either."""
+    path = Path(model_dir) / "tokenizer.json"
+    data = _json_file(path)
+    if data is not None:
+        try:
+            vocab = data["model"]["vocab"]
+            if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
+                return {piece: i for i, (piece, _score) in enumerate(vocab)}
+            return dict(vocab)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecDeployError(f"{path} is not a valid tokenizer file: {exc!r}") from None
+    vocab = _json_file(Path(model_dir) / "vocab.json")
+    return dict(vocab) if isinstance(vocab, dict) else None
+
+
+def _added_tokens(model_dir: Path) -> tuple[dict[int, str], set[int]]:
+    """(id -> content, ids marked special) of the added tokens in tokenizer.json and tokenizer_config.json."""
+    tokens, special = {}, set()
+    for entry in (_json_file(Path(model_dir) / "tokenizer.json") or {}).get("added_tokens") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), int):
+            tokens[entry["id"]] = entry.get("content")
+            if entry.get("special"):
+                special.add(entry["id"])
+    decoder = (_json_file(Path(model_dir) / "tokenizer_config.json") or {}).get("added_tokens_decoder") or {}
+    for key, entry in decoder.items() if isinstance(decoder, dict) else ():
+        if str(key).isdigit() and isinstance(entry, dict):
+            tokens.setdefault(int(key), entry.get("content"))
+            if entry.get("special"):
+                special.add(int(key))
+    return tokens, special
+
+
+def special_token_ids(model_dir: Path, cfg: dict) -> dict[str, list[int]]:
+    """bos/eos ids from config.json (eos also from generation_config.json), as lists."""
+    gen = _json_file(Path(model_dir) / "generation_config.json") or {}
+    ids = {}
+    for name in ("bos_token", "eos_token"):
+        values = [cfg.get(f"{name}_id"), gen.get(f"{name}_id")]
+        flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+        ids[name] = sorted({v for v in flat if isinstance(v, int) and not isinstance(v, bool)})
+    return ids
+
+
+def token_table(model_dir: Path, cfg: dict) -> dict[int, str]:
+    """What a model dir says its token ids mean, from whatever tokenizer files it has: the
+    vocabulary, the added tokens, and special_tokens_map.json's tokens at the config's ids."""
+    table = {i: token for token, i in (tokenizer_vocab(model_dir) or {}).items()}
+    table.update(_added_tokens(model_dir)[0])
+    named = _json_file(Path(model_dir) / "special_tokens_map.json") or {}
+    for name, ids in special_token_ids(model_dir, cfg).items():
+        content = named.get(name)
+        content = content.get("content") if isinstance(content, dict) else content
+        if isinstance(content, str) and len(ids) == 1:  # several eos ids: which one the map names is unknown
+            table.setdefault(ids[0], content)
+    return table
 
 
 def check_same_vocab(target_dir: Path, draft_dir: Path, target_cfg: dict, draft_cfg: dict) -> None:
-    """A draft must speak the target's vocabulary, or its tokens mean nothing."""
-    if target_cfg.get("vocab_size") != draft_cfg.get("vocab_size"):
-        raise SpecDeployError(
-            f"vocabulary mismatch: target vocab_size {target_cfg.get('vocab_size')} != draft vocab_size {draft_cfg.get('vocab_size')}"
-        )
+    """A draft must speak the target's vocabulary, or its tokens mean nothing. Checked with whatever
+    the draft has (it may ship no tokenizer.json): vocab_size, every token id both sides name, the
+    draft's bos/eos ids against the target's special tokens, and identical tokenizer.model files."""
+    tsize, dsize = target_cfg.get("vocab_size"), draft_cfg.get("vocab_size")
+    if not isinstance(dsize, int) or tsize != dsize:
+        raise SpecDeployError(f"vocabulary mismatch: target vocab_size {tsize} != draft vocab_size {dsize}")
     tv, dv = tokenizer_vocab(target_dir), tokenizer_vocab(draft_dir)
     if tv is not None and dv is not None and tv != dv:
         differing = len(set(tv.items()) ^ set(dv.items()))
         raise SpecDeployError(f"vocabulary mismatch: target and draft tokenizers differ ({differing} differing entries)")
+    target_table, draft_table = token_table(target_dir, target_cfg), token_table(draft_dir, draft_cfg)
+    differ = sorted(i for i in set(target_table) & set(draft_table) if target_table[i] != draft_table[i])
+    if differ:
+        i = differ[0]
+        raise SpecDeployError(f"vocabulary mismatch: token {i} is {target_table[i]!r} in the target's tokenizer and "
+                              f"{draft_table[i]!r} in the draft's ({len(differ)} ids differ)")
+    specials = _added_tokens(target_dir)[1]
+    for name, ids in special_token_ids(draft_dir, draft_cfg).items():
+        for i in ids:
+            if not 0 <= i < tsize:
+                raise SpecDeployError(f"vocabulary mismatch: the draft's {name}_id {i} is outside the vocabulary "
+                                      f"({tsize} tokens)")
+            if specials and i not in specials and i in target_table:
+                raise SpecDeployError(f"vocabulary mismatch: the draft's {name}_id {i} is {target_table[i]!r} in the "
+                                      "target's tokenizer, not a special token")
+    models = [Path(d) / "tokenizer.model" for d in (target_dir, draft_dir)]
+    if all(m.is_file() for m in models) and models[0].read_bytes() != models[1].read_bytes():
+        raise SpecDeployError("vocabulary mismatch: the target's and the draft's tokenizer.model files differ")

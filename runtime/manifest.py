@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import manifest_fields as fields
+from .containment import inside
 from .errors import SpecDeployError
-from .graph_contract import DECODER, FUSED, PORTABLE, GraphRecord, ModelRecord
+from .graph_contract import DECODER, FUSED, PORTABLE, TARGET, GraphRecord, ModelRecord
+from .manifest_fields import CHECK_SKIPPED
+from .onnx_external import external_data_locations
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+TOKENIZER_FILE = "tokenizer.json"  # the one tokenizer file the runtime needs (runtime/tokenizer.py)
 
 
 def sha256_file(path: Path) -> str:
@@ -36,6 +42,8 @@ class Manifest:
     methods: dict
     files: dict[str, str]
     raw: dict
+    prefill_chunk: int = 64
+    check: str = CHECK_SKIPPED  # the accuracy check: "passed" or "skipped" (--no-check)
 
     def graphs_of(self, kind: str, model: str | None = None, flavor: str | None = None) -> list[GraphRecord]:
         return [g for g in self.graphs.values()
@@ -50,35 +58,46 @@ class Manifest:
         return {name: g for name, g in self.graphs.items() if g.flavor != FUSED}
 
     def graph_path(self, graph: GraphRecord) -> Path:
-        return self.root / graph.file
+        return self.root / graph.file  # kept inside root when the manifest loaded
 
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self.tokenizer.get("eos_token_ids", []))
 
 
+def _write_json(path: Path, data: dict) -> None:
+    """Through a temp file and a rename: a reader sees the old manifest or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_manifest(out: Path, *, dtype: str, max_context: int, prefill_chunk: int, models: dict[str, ModelRecord],
                    graphs: dict[str, GraphRecord], tokenizer: dict, methods: dict, files: dict[str, str],
-                   **facts) -> Path:
-    """Write OUT/manifest.json; `facts` are informational top-level entries (exported_in_s...)."""
+                   check: str = CHECK_SKIPPED, **facts) -> Path:
+    """Write OUT/manifest.json; `check` records the accuracy check (passed, skipped, or pending
+    while the exporter checks its staging copy); `facts` are informational entries (exported_in_s...)."""
     data = {
         "format": FORMAT_VERSION, "dtype": dtype, "max_context": max_context, "prefill_chunk": prefill_chunk,
         "models": {name: m.to_json() for name, m in models.items()},
         "graphs": {name: g.to_json() for name, g in graphs.items()},
-        "tokenizer": tokenizer, "methods": methods, "files": files, **facts,
+        "tokenizer": tokenizer, "methods": methods, "files": files, "check": check, **facts,
     }
     path = Path(out) / MANIFEST_NAME
-    path.write_text(json.dumps(data, indent=2))
+    _write_json(path, data)
     return path
 
 
-def _require(d: dict, key: str, where: str):
-    if key not in d:
-        raise SpecDeployError(f"manifest: missing '{key}' in {where}")
-    return d[key]
+def set_check(out: Path, state: str) -> None:
+    """Record the accuracy check's outcome in an existing manifest (atomically)."""
+    path = Path(out) / MANIFEST_NAME
+    _write_json(path, {**json.loads(path.read_text()), "check": state})
 
 
-def load_manifest(export_dir: str | Path, verify_checksums: bool = True) -> Manifest:
+def _read(export_dir: str | Path) -> tuple[Path, Path, dict]:
     root = Path(export_dir)
     if not root.exists():
         raise SpecDeployError(f"export directory not found: {root}")
@@ -91,30 +110,81 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True) -> Mani
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecDeployError(f"manifest {path} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise SpecDeployError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(raw, dict):
         raise SpecDeployError(f"manifest {path} must be a JSON object")
-    if raw.get("format") != FORMAT_VERSION:
-        raise SpecDeployError(f"manifest {path}: unsupported format {raw.get('format')!r} (expected {FORMAT_VERSION})")
+    return root, path, raw
+
+
+def _check_graph_files(root: Path, graphs: dict[str, GraphRecord]) -> None:
+    """Each graph's file kept inside root and present."""
+    for g in graphs.values():
+        path = inside(root, g.file, f"manifest: graphs.{g.name}.file")
+        if not path.is_file():
+            raise SpecDeployError(f"graph file missing: {path}")
+
+
+def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir: str) -> dict[str, str]:
+    """Every file the runtime opens, relative to root -> what refers to it; each kept inside root
+    (a graph's external-data locations are read from its protobuf: runtime/onnx_external.py)."""
+    refs = {}
+    for g in graphs.values():
+        refs[os.path.normpath(g.file)] = f"graph {g.name}"
+        parent = Path(g.file).parent
+        for location in external_data_locations(root / g.file):
+            rel = (parent / location).as_posix()
+            inside(root, rel, f"{g.file}: external data location")
+            refs.setdefault(os.path.normpath(rel), f"{g.file}'s external data")
+    refs[os.path.normpath(Path(tokenizer_dir) / TOKENIZER_FILE)] = "the tokenizer"
+    return refs
+
+
+def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_pending: bool = False) -> Manifest:
+    """Read and validate OUT/manifest.json: every field's type and range (runtime/manifest_fields.py),
+    every file reference inside OUT, every file the runtime opens listed in `files` and present,
+    and (`verify_checksums`) every listed file's sha256. `allow_pending` admits the exporter's own
+    staging copy while its accuracy check runs."""
+    root, path, raw = _read(export_dir)
+    scalars = fields.top_level(raw, path)
+    check = fields.check_state(raw, allow_pending)
+    max_context = scalars["max_context"]
+    models = {key: fields.model(key, m, max_context) for key, m in raw["models"].items()}
+    for key, g in raw["graphs"].items():
+        fields.graph(key, g, models, max_context)
     try:
-        models = {name: ModelRecord.from_json(name, m) for name, m in _require(raw, "models", "manifest").items()}
-        graphs = {name: GraphRecord.from_json(name, g) for name, g in _require(raw, "graphs", "manifest").items()}
-        max_context = int(_require(raw, "max_context", "manifest"))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise SpecDeployError(f"manifest {path} is malformed: {exc!r}") from None
-    files = raw.get("files", {})
-    for rel, digest in files.items():
+        graphs = {key: GraphRecord.from_json(key, g) for key, g in raw["graphs"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecDeployError(f"manifest {path} is malformed: {exc}") from None
+    target = models.get(TARGET)
+    if target is None:
+        fields.fail("models", "has no 'target' model")
+    prefill_sizes = [g.tokens for g in graphs.values() if g.model == TARGET and g.kind == DECODER]
+    if prefill_sizes and scalars["prefill_chunk"] > max(prefill_sizes):
+        fields.fail("prefill_chunk", f"({scalars['prefill_chunk']}) exceeds the largest target graph "
+                    f"({max(prefill_sizes)} tokens)")
+    tokenizer = raw["tokenizer"]
+    fields.tokenizer(tokenizer, target.vocab_size)
+    tokenizer_dir = tokenizer.get("dir", "tokenizer")
+    inside(root, tokenizer_dir, "manifest: tokenizer.dir")
+    files = raw["files"]
+    fields.files(files)
+    for rel in files:
+        inside(root, rel, "manifest: files entry")
+    _check_graph_files(root, graphs)
+    for rel, digest in files.items():  # before reading any graph: a damaged file is named as such
         fpath = root / rel
         if not fpath.is_file():
             raise SpecDeployError(f"export file missing: {fpath} (listed in the manifest)")
         if verify_checksums and sha256_file(fpath) != digest:
             raise SpecDeployError(f"checksum mismatch for {fpath}: the file changed since export (re-export it)")
-    for g in graphs.values():
-        if g.model not in models:
-            raise SpecDeployError(f"manifest: graph '{g.name}' refers to unknown model '{g.model}'")
-        if not (root / g.file).is_file():
-            raise SpecDeployError(f"graph file missing: {root / g.file}")
+    listed = {os.path.normpath(rel) for rel in files}
+    for rel, what in _referenced_files(root, graphs, tokenizer_dir).items():
+        if rel not in listed:
+            raise SpecDeployError(f"manifest: {rel} ({what}) is not in the files map, so its integrity cannot be "
+                                  "checked (re-export it)")
     return Manifest(
-        root=root, dtype=raw.get("dtype", "float32"), max_context=max_context,
-        models=models, graphs=graphs, tokenizer=raw.get("tokenizer", {}), methods=raw.get("methods", {}),
-        files=files, raw=raw,
+        root=root, dtype=scalars["dtype"], max_context=max_context, models=models, graphs=graphs,
+        tokenizer=tokenizer, methods=raw.get("methods", {}), files=files, raw=raw,
+        prefill_chunk=scalars["prefill_chunk"], check=check,
     )

@@ -42,7 +42,8 @@ def test_corrupt_graph_file_fails_checksum(broken_copy):
 
 
 def test_corrupt_graph_file_with_updated_checksum(broken_copy):
-    """Even when the manifest was 'fixed' to match, a corrupt graph gives a clear load error."""
+    """Even when the manifest was 'fixed' to match, a corrupt graph gives a clear load error (the
+    manifest loader reads each graph's protobuf for its external-data files: it names the graph)."""
     from specdeploy.runtime.manifest import sha256_file
 
     for name in ("target_t1.onnx", "target_fused_t1.onnx"):  # whichever flavor the runtime opens
@@ -51,7 +52,7 @@ def test_corrupt_graph_file_with_updated_checksum(broken_copy):
         manifest = json.loads((broken_copy / "manifest.json").read_text())
         manifest["files"][name] = sha256_file(graph)
         (broken_copy / "manifest.json").write_text(json.dumps(manifest))
-    assert_clean_error(gen(broken_copy), "could not load graph", "target_fused_t1.onnx")
+    assert_clean_error(gen(broken_copy), "is not a valid ONNX file", "_t1.onnx")
 
 
 def test_corrupt_manifest(broken_copy):

@@ -11,7 +11,7 @@ import pytest
 from specdeploy.runtime import graph_contract as gc
 from specdeploy.runtime.decoder import StaticCall
 from specdeploy.runtime.errors import SpecDeployError
-from specdeploy.runtime.manifest import load_manifest, write_manifest
+from specdeploy.runtime.manifest import load_manifest, sha256_file, write_manifest
 
 
 def test_decoder_io_per_flavor_and_features():
@@ -97,15 +97,19 @@ def test_manifest_written_is_the_manifest_read(tmp_path):
     graphs = {g.name: g for g in (gc.GraphRecord.new("target_t1", "target", gc.DECODER, 1),
                                   gc.GraphRecord.new("target_fused_t1", "target", gc.DECODER, 1, flavor=gc.FUSED))}
     for g in graphs.values():
-        (tmp_path / g.file).write_bytes(b"")
-    write_manifest(tmp_path, dtype="float32", max_context=64, prefill_chunk=16, models={"target": _model()},
-                   graphs=graphs, tokenizer={"eos_token_ids": [2]}, methods={}, files={}, exported_in_s=1.0)
+        (tmp_path / g.file).write_bytes(b"\x08\x07")  # a ModelProto with only its ir_version
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    files = {rel: sha256_file(tmp_path / rel) for rel in ("target_t1.onnx", "target_fused_t1.onnx",
+                                                           "tokenizer/tokenizer.json")}
+    write_manifest(tmp_path, dtype="float32", max_context=64, prefill_chunk=1, models={"target": _model()},
+                   graphs=graphs, tokenizer={"eos_token_ids": [2]}, methods={}, files=files, exported_in_s=1.0)
     m = load_manifest(tmp_path)
     assert m.models == {"target": _model()} and m.graphs == graphs
     assert list(m.decoder_graphs("target")) == [1] and m.decoder_graphs("target", gc.FUSED)[1].name == "target_fused_t1"
     assert set(m.trt_graphs()) == {"target_t1"} and m.raw["exported_in_s"] == 1.0
     (tmp_path / "manifest.json").write_text((tmp_path / "manifest.json").read_text().replace('"decoder"', '"lm"'))
-    with pytest.raises(SpecDeployError, match="malformed"):
+    with pytest.raises(SpecDeployError, match="graphs.target_t1.kind is 'lm'"):
         load_manifest(tmp_path)
 
 

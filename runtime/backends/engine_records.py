@@ -12,18 +12,23 @@ One record per graph:
 An engine is stale when its file is gone or changed, when the ONNX graph or any
 weights file it was built from changed, or when this machine's TensorRT version
 or GPU differs from the one it was built with (serialized engines are not
-portable across either).
+portable across either). Every path a record names stays inside the export
+(runtime/containment.py), and the "trt" backend checks an engine's sha256 on the
+bytes it deserializes (`check_engine_bytes`): a plan is code TensorRT runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
+from ..containment import inside
 from ..errors import SpecDeployError
 from ..graph_contract import DECODER
 from ..manifest import Manifest, sha256_file
+from ..manifest_fields import SHA256
 
 ENGINES_JSON = "engines.json"
 ENGINE_DIR = "engines"
@@ -45,7 +50,37 @@ def load_engines(root: str | Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("engines"), dict):
         raise SpecDeployError(f"{path} is not an engine manifest of format {FORMAT}; "
                               "delete it and run `specdeploy engines` again")
+    for name, record in data["engines"].items():
+        _check_record(Path(root), path, name, record)
     return data
+
+
+def _check_record(root: Path, path: Path, name: str, record) -> None:
+    """A record's paths inside the export and its digests well-formed (a hostile engines.json
+    must not point TensorRT at a plan outside the export, nor hash files elsewhere)."""
+    where = f"{path}: engines.{name}"
+    if not isinstance(record, dict):
+        raise SpecDeployError(f"{where} must be a JSON object")
+    inside(root, record.get("file"), f"{where}.file")
+    sources = record.get("sources", {})
+    if not isinstance(sources, dict):
+        raise SpecDeployError(f"{where}.sources must be a JSON object")
+    for rel, digest in sources.items():
+        inside(root, rel, f"{where}.sources")
+        if not isinstance(digest, str) or not SHA256.match(digest):
+            raise SpecDeployError(f"{where}.sources[{rel!r}] must be a sha256 hex digest, got {digest!r}")
+    size = record.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise SpecDeployError(f"{where}.bytes must be a non-negative integer, got {size!r}")
+
+
+def check_engine_bytes(record: dict, blob: bytes, path: Path) -> None:
+    """Refuse an engine whose bytes are not the ones `specdeploy engines` recorded (the size
+    check in stale_reasons misses same-size corruption or a swapped plan)."""
+    if hashlib.sha256(blob).hexdigest() != record.get("sha256"):
+        raise SpecDeployError(f"the TensorRT engine {path} does not match its sha256 in engines.json (corrupted or "
+                              f"replaced since it was built); rebuild it with `specdeploy engines {path.parent.parent} "
+                              "--rebuild`")
 
 
 def engines_listed(manifest: Manifest) -> bool:

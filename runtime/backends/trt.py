@@ -1,9 +1,9 @@
 """The "trt" backend: prebuilt TensorRT engines run with execute_async_v3.
 
 Engines come from `specdeploy engines OUT` (engines/builder.py) and are listed
-in OUT/engines.json (read with engine_records.py); an engine whose ONNX or weights changed, or that was
-built by another TensorRT version or for another GPU, is refused with a clear
-error (never silently used).
+in OUT/engines.json (read with engine_records.py); an engine whose ONNX or weights changed, whose
+bytes do not match their recorded sha256, or that was built by another TensorRT version or for
+another GPU, is refused with a clear error (never silently used).
 
 Per model, every tensor address is bound once, at load:
 * `past_key.{i}`/`past_value.{i}` -> the start of that layer's device KV buffer.
@@ -33,7 +33,7 @@ from ..graph_contract import INPUT_IDS, KV_KINDS, POSITION_IDS, TREE_MASK, parse
 from ..manifest import Manifest
 from .device_decoder import DeviceDecoder
 from .device_memory import CudaMemory, cuda_runtime, cuda_unavailable_reason
-from .engine_records import file_digests, load_engines, stale_reasons
+from .engine_records import check_engine_bytes, file_digests, load_engines, stale_reasons
 
 FIXED_INPUTS = (INPUT_IDS, POSITION_IDS, TREE_MASK)
 
@@ -108,12 +108,14 @@ class TrtDecoder(DeviceDecoder):
             if why:
                 raise SpecDeployError(f"the TensorRT engine for {g.name} is stale: {why[0]} "
                                       f"(rebuild it with `specdeploy engines {manifest.root}`)")
-            plans[t] = manifest.root / rec["file"]
+            plans[t] = (manifest.root / rec["file"], rec)
         logger = trt_logger()
         runtime = trt.Runtime(logger)
         engines = {}
-        for t, path in plans.items():
-            engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        for t, (path, rec) in plans.items():
+            blob = path.read_bytes()
+            check_engine_bytes(rec, blob, path)  # on the bytes deserialized: nothing can change in between
+            engine = runtime.deserialize_cuda_engine(blob)
             if engine is None:
                 detail = logger.errors[-1] if logger.errors else "no detail"
                 raise SpecDeployError(f"TensorRT could not load {path} ({detail}); rebuild with "
