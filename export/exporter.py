@@ -122,6 +122,13 @@ def target_token_counts(cfg: ExportConfig, methods: dict) -> list[int]:
     return sorted(counts)
 
 
+def draft_token_counts(cfg: ExportConfig) -> list[int]:
+    """1 to draft; 2 to catch up after a fully accepted step (the last draft and the bonus
+    token; a padded T=64 call cost 2-6x a T=2 one, two T=1 calls about 2x, and near the context
+    end the chunk's graph does not fit); the chunk for the prompt."""
+    return sorted(t for t in {1, 2, cfg.prefill_chunk} if t < cfg.max_context)
+
+
 def export_methods(overrides: dict[str, dict], sources: dict[str, Path | None]) -> dict:
     """The validated config of every registered method this export can have (one that needs
     an input, MethodSpec.export_input, only when it is given); `overrides` from the config files."""
@@ -209,7 +216,7 @@ def _write_export(out: Path, target: Path, draft: Path | None, dtype: str, cfg: 
         draft_model = load_causal_lm(Path(draft), dtype)
         dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused)
         models[DRAFT] = dexp.record
-        for t in sorted({1, cfg.prefill_chunk}):
+        for t in draft_token_counts(cfg):
             graphs.update(dexp.export(t))
     ctx = {"out": out, "target_model": target_model, "graphs": graphs, "models": models,
            "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress,

@@ -90,6 +90,11 @@ class ExportConfig:
     def __post_init__(self):
         positive_int(self.max_context, "max_context", 2)
         positive_int(self.prefill_chunk, "prefill_chunk")
+        # Any chunk below the context works: max_context need not be a multiple of it, since the
+        # prefill's last call takes a smaller graph where the chunk's would pad past the end.
+        if self.prefill_chunk >= self.max_context:
+            raise SpecDeployError(f"config: prefill_chunk {self.prefill_chunk} must be below max_context "
+                                  f"{self.max_context}")
 
 
 def load_export_config(path: str | Path | None = None) -> tuple[ExportConfig, dict[str, dict]]:

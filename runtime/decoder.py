@@ -5,6 +5,8 @@ ONNX Runtime in backends/ort_decoder.py, device-resident in backends/device_deco
 and the EAGLE head (drafters/eagle_head.py, whose rows also carry features).
 
 * graph_for(n): the smallest exported static token count T that holds n rows;
+* fit(n): (rows, T) of the next call over n pending rows that also fits the room left
+  (near the context end a smaller graph over fewer rows; prefill and catch-ups use it);
 * forward(...): scores n rows after the cached past, padded to T by StaticCall; commits nothing;
 * commit(step, rows): appends the chosen rows of the latest step to the cache;
 * rewind(length): forgets cached rows past `length` (nothing is cleared: the next step overwrites them);
@@ -82,6 +84,17 @@ def smallest_fit(sizes: list[int], n: int, what: str) -> int:
     return sizes[i]
 
 
+def fitting_call(sizes: list[int], n: int, room: int) -> tuple[int, int] | None:
+    """(rows, T) of the next call over n pending rows that never pads past the context end:
+    the smallest graph in sorted `sizes` holding all n when it fits the `room` left, else the
+    largest that fits, taking T rows (the caller calls again for the rest); None: none fits."""
+    i = bisect.bisect_left(sizes, n)
+    if i < len(sizes) and sizes[i] <= room:
+        return n, sizes[i]
+    j = bisect.bisect_right(sizes, room) - 1  # any T >= n would have been found above: T < n
+    return (sizes[j], sizes[j]) if j >= 0 else None
+
+
 class StaticDecoder:
     """What every model runner shares (see the module docstring); subclasses add forward and commit."""
 
@@ -95,6 +108,9 @@ class StaticDecoder:
 
     def graph_for(self, n: int) -> int:
         return smallest_fit(self.sizes, n, self.what)
+
+    def fit(self, n: int, sizes: list[int] | None = None) -> tuple[int, int] | None:
+        return fitting_call(self.sizes if sizes is None else sizes, n, self.max_context - self.cache.length)
 
     def rewind(self, length: int) -> None:
         self.cache.truncate(length)
@@ -152,18 +168,23 @@ class Decoder(StaticDecoder):
         raise NotImplementedError
 
     def prefill(self, tokens: list[int] | np.ndarray, chunk: int, on_chunk=None) -> StepOutput | None:
-        """Process and commit tokens causally in chunks of the prefill graph's size.
+        """Process and commit tokens causally, at most `chunk` per call (the prefill graph's size).
 
-        `on_chunk(step)` sees every chunk's output (EAGLE reads the prompt's features).
+        Each call takes the smallest graph holding its rows; near the context end, where that
+        graph would pad past it, a smaller graph over fewer rows (`fit`). `on_chunk(step)`
+        sees every call's output (EAGLE reads the prompt's features).
         """
         tokens = np.asarray(tokens, dtype=np.int64)
-        last = None
-        for s in range(0, len(tokens), chunk):
-            piece = tokens[s : s + chunk]
+        last, s = None, 0
+        while s < len(tokens):
+            call = self.fit(min(chunk, len(tokens) - s))
+            if call is None:
+                self._check_room(self.sizes[0])  # raises: not even the smallest graph fits
+            n = call[0]
             start = self.cache.length
-            n = len(piece)
-            last = self.forward(piece, np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)))
+            last = self.forward(tokens[s : s + n], np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)))
             self.commit(last, slice(0, n))
+            s += n
             if on_chunk is not None:
                 on_chunk(last)
         return last

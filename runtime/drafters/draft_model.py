@@ -54,8 +54,9 @@ class DraftModelDrafter(Drafter):
         return sample(q, state.rng)
 
     def propose(self, state: DecodeState) -> Proposal:
-        # Invariant: the draft cache holds committed tokens; feed whatever it lacks
-        # (the root, plus the last draft token when every draft was accepted).
+        # Invariant: the draft cache holds committed tokens; feed whatever it lacks (the root,
+        # plus the last draft token when every draft was accepted: the T=2 graph, where a
+        # padded prompt-chunk call cost 2-6x more). Prefill never pads past the context end.
         cache = self.decoder.cache
         pending = state.tokens[cache.length :]
         room = cache.max_context - cache.length - len(pending)

@@ -114,10 +114,11 @@ def _expand_sizes(tree: Tree) -> set[int]:
 def graph_plan(config: EagleConfig, prefill_chunk: int) -> dict:
     """Static shapes of the head's graphs for this config (both modes, so either runs).
 
-    catchup: accepted-path sizes (depth + 1 at most) and the prompt chunk;
+    catchup: one row (a step that accepted no draft, and what still fits in the context's last
+    positions), accepted-path sizes (depth + 1 at most) and the prompt chunk;
     expand: nodes expanded per level; top_k: candidates each graph returns per row.
     """
-    catchup, expand, top_k = {config.depth + 1, prefill_chunk}, {config.top_k}, config.top_k
+    catchup, expand, top_k = {1, config.depth + 1, prefill_chunk}, {config.top_k}, config.top_k
     tree = config.static_tree()
     if tree is not None:
         catchup.add(int(tree.depth.max()) + 1)
@@ -225,7 +226,8 @@ class EagleDrafter(Drafter):
 
     # -- drafting ----------------------------------------------------------------
     def catch_up(self, state: DecodeState):
-        """Feed pending (token, feature) pairs; returns the last row's output, or None."""
+        """Feed pending (token, feature) pairs; returns the last row's output, or None (nothing
+        pending, or no head graph fits the context's last positions: no draft this step)."""
         head = self.head
         feats = np.concatenate(self.feats) if self.feats else np.zeros((0, head.feature_dim), np.float32)
         self.feats = []
@@ -233,14 +235,17 @@ class EagleDrafter(Drafter):
         tokens = np.asarray(state.tokens[start + 1 : start + 1 + len(feats)], dtype=np.int64)
         if len(tokens) != len(feats) or start + len(feats) != len(state.tokens) - 1:
             raise SpecDeployError("EAGLE drafter lost track of the target features (internal error)")
-        last = None
-        step = head.max_tokens(head.feature_dim)
-        for s in range(0, len(tokens), step):
-            n = min(step, len(tokens) - s)
-            pos = head.cache.length
+        sizes, last, s = head.sizes_by_width[head.feature_dim], None, 0
+        while s < len(tokens):
+            call = head.fit(len(tokens) - s, sizes)  # near the context end: smaller graphs, fewer rows
+            if call is None:  # not even the smallest fits: the rest stays pending, nothing is drafted
+                self.feats = [feats[s:]]
+                return None
+            n, pos = call[0], head.cache.length
             last = head.forward(tokens[s : s + n], feats[s : s + n], np.arange(pos, pos + n),
                                 np.tril(np.ones((n, n), bool)))
             head.commit(last, slice(0, n))
+            s += n
         return last
 
     def propose(self, state: DecodeState) -> Proposal:

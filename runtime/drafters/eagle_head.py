@@ -73,9 +73,6 @@ class EagleHeadRunner(StaticDecoder):
     def graph_for(self, n: int, width: int | None = None) -> int:
         return smallest_fit(self.sizes if width is None else self.sizes_by_width[width], n, self.what)
 
-    def max_tokens(self, width: int) -> int:
-        return self.sizes_by_width[width][-1]
-
     def forward(self, tokens, features: np.ndarray, positions, mask: np.ndarray) -> HeadOutput:
         """n rows after the cached past; `mask` is [n, D + n]: the last D cached rows (earlier
         draft levels) and the n new rows. Nothing is committed."""
