@@ -50,6 +50,7 @@ PRIOR_WEIGHT = 2  # samples an earlier request's average counts for in a new req
 STALL = 2.0
 MIN_BACKOFF = 2  # probe costs of plain decoding before the first probe after speculation lost
 MAX_BACKOFF = 32  # cap of the doubling backoff; also how often a winning run re-times a plain step
+MAX_CONFIGS = 64  # method configs a Memory keeps
 ENV = "SPECDEPLOY_ADAPTIVE"  # "0": speculate every step unless a request asks otherwise (the global switch)
 
 
@@ -203,4 +204,7 @@ class AdaptivePolicy:
 
     def remember(self, memory: Memory, key: str) -> None:
         memory.plain = self.plain_seconds
+        memory.spec.pop(key, None)
         memory.spec[key] = Speculated(self.spec_seconds, self.spec_tokens, self.backoff, self.plain_mode, self.wait)
+        while len(memory.spec) > MAX_CONFIGS:  # requests' overrides make configs: forget the least recent
+            memory.spec.pop(next(iter(memory.spec)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import BUILD
-from specdeploy.runtime.adaptive import MAX_BACKOFF, MIN_BACKOFF, AdaptivePolicy, Memory
+from specdeploy.runtime.adaptive import MAX_BACKOFF, MAX_CONFIGS, MIN_BACKOFF, AdaptivePolicy, Memory
 from specdeploy.runtime.methods import known_methods
 
 SPECULATIVE = [m for m in known_methods() if m != "ar"]
@@ -146,6 +146,10 @@ def test_memory_carries_over_to_the_next_request():
     simulate(again, 300, spec_s=1.6, plain_s=1.0, tokens=lambda i, rng: 1.1 if i < 60 else 5.0)
     again.remember(memory, "m")
     assert AdaptivePolicy.resume(memory, "m").speculate() and memory.spec["m"].backoff == MIN_BACKOFF
+    # Per-request overrides make configs: the memory keeps the most recent ones only.
+    for i in range(MAX_CONFIGS + 5):
+        AdaptivePolicy.resume(memory, f"k{i}").remember(memory, f"k{i}")
+    assert len(memory.spec) == MAX_CONFIGS and f"k{MAX_CONFIGS + 4}" in memory.spec and "m" not in memory.spec
 
 
 # ---------------------------------------------------------------- the loop with steps skipped
