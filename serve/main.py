@@ -24,6 +24,10 @@ def is_loopback(host: str) -> bool:
 
 
 def run_server(args) -> int:
+    if getattr(args, "triton_repo", None):  # Triton serves its own protocols: no FastAPI app
+        from .triton_main import run_triton
+
+        return run_triton(args)
     try:
         import uvicorn
 
@@ -48,6 +52,12 @@ def run_server(args) -> int:
     if not is_loopback(args.host) and not api_key:
         print(f"warning: serving on {args.host}, beyond this machine, without an API key: anyone who can reach "
               f"the port can run generations (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
+    if getattr(args, "ray", False):
+        from ..runtime.manifest import load_manifest
+        from .ray_main import run_ray
+
+        limits.model_len(load_manifest(args.out, verify_checksums=False).max_context)  # bad input: here, not per replica
+        return run_ray(args, limits, api_key, origins)
     from ..runtime.backends import use_shared_threads
 
     use_shared_threads(args.threads)  # our own process: one pool for every worker's sessions
@@ -102,3 +112,8 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--template-timeout", type=float, default=2.0, help="seconds to render one chat prompt")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="uvicorn's access log (request ids are logged anyway)")
+    from .ray_main import add_ray_arguments
+    from .triton_main import add_triton_arguments
+
+    add_ray_arguments(s)
+    add_triton_arguments(s)
