@@ -81,3 +81,12 @@ bench: peers
 
 clean:
 	rm -rf $(BUILD)
+
+# Serving engines (README: Scaling out). Ray Serve and Triton's client into .venv; Triton's server and the
+# runtime into build/triton-venv: the nvidia-pytriton wheel pins numpy<2, which .venv's torch stack does not.
+TRITON_VENV := $(BUILD)/triton-venv
+.PHONY: serve-deps
+serve-deps: setup
+	$(VPY) -m pip install -q -e ".[ray]" "tritonclient[http,grpc]>=2.50,<3"
+	test -x $(TRITON_VENV)/bin/python || $(VPY) -c "import sys, venv; venv.create(sys.argv[1], with_pip=True)" $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q -e ".[triton]"
