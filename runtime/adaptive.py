@@ -31,7 +31,8 @@ steps yielded) seeds its next request as a prior worth a few steps, which the re
 own steps soon outweigh; the mode and the backoff carry on as they were, so a method
 that kept losing starts the next request plain and probes when its backoff runs out,
 counting steps across requests, instead of paying for speculative steps (and the
-drafter's catch-up on the prompt) in every request.
+drafter's catch-up on the prompt) in every request. One probe at its first drafting
+step is every request's own: a new prompt may be one the answer copies.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class AdaptivePolicy:
         self.wait = spec.wait  # plain steps left before the next probe (plain mode)
         self.since_plain = 0  # speculative steps since a plain step was last timed
         self.seen_spec = False
+        self.start_probe = self.plain_mode  # the request's own probe (module docstring)
         self.warm_plain = self.plain_seconds.value is not None  # a fresh export's first plain step runs a cold graph
 
     # -- what the loop asks ------------------------------------------------------
@@ -137,14 +139,16 @@ class AdaptivePolicy:
         if self.plain_seconds.value is None:
             return False
         if self.plain_mode:
-            return self.wait <= 0  # a probe once the backoff ran out
+            return self.start_probe or self.wait <= 0  # a probe once the backoff ran out
         return self.since_plain < self.max_backoff  # else re-time a plain step
 
     def observe(self, speculated: bool, seconds: float, tokens: int) -> None:
         """One finished step: whether it verified drafts (more than the root: a drafter that
         proposed nothing made a plain step), its wall seconds (draft + verify + update) and
         the tokens it committed."""
+        start_probe = speculated and self.start_probe
         if speculated:
+            self.start_probe = False  # (a step that drafted nothing was no probe)
             self.spec_tokens.add(tokens)
             if self.seen_spec:
                 self.spec_seconds.add(seconds, STALL)
@@ -165,7 +169,7 @@ class AdaptivePolicy:
         if self.spec_tokens.value >= even:
             self.plain_mode, self.backoff = False, self.min_backoff
         elif self.plain_mode:
-            if speculated:  # a probe lost: back off further only if speculation clearly loses
+            if speculated and not start_probe:  # a probe lost: back off further only if speculation clearly loses
                 self.wait = self._probe_wait()
                 if self.loses():
                     self.backoff = min(2 * self.backoff, self.max_backoff)

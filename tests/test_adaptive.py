@@ -135,10 +135,13 @@ def test_memory_carries_over_to_the_next_request():
     m = memory.spec["m"]
     assert memory.plain.value == pytest.approx(1.0) and m.seconds.value == pytest.approx(1.6)
     assert m.plain_mode and m.backoff > MIN_BACKOFF and m.wait > 0
-    # The next request starts plain and probes when the carried wait runs out: the backoff counts
-    # steps across requests (no speculative step or plain timing up front).
+    # The next request starts plain: one probe of its own at its start, then the next when the carried
+    # wait runs out (the backoff counts steps across requests; no plain timing up front).
     kinds, _, _ = simulate(AdaptivePolicy.resume(memory, "m"), 100, spec_s=1.6, plain_s=1.0, tokens=1.1)
-    assert kinds.index(True) == m.wait
+    assert kinds[:2] == [True, False] and kinds.index(True, 1) == 1 + m.wait
+    # A prompt the answer copies wins its start probe: speculation resumes at once.
+    kinds, _, _ = simulate(AdaptivePolicy.resume(memory, "m"), 20, spec_s=1.6, plain_s=1.0, tokens=6.0)
+    assert all(kinds)
     # A method config not seen yet starts from nothing.
     assert AdaptivePolicy.resume(memory, "other").speculate()
     # A request where speculation wins leaves it on for the next one.
