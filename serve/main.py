@@ -52,11 +52,15 @@ def run_server(args) -> int:
     if not is_loopback(args.host) and not api_key:
         print(f"warning: serving on {args.host}, beyond this machine, without an API key: anyone who can reach "
               f"the port can run generations (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
+    ray_only = getattr(args, "replicas", None) is not None or getattr(args, "autoscale", None)
+    if ray_only and not getattr(args, "ray", False):
+        raise SpecDeployError("--replicas and --autoscale are Ray Serve options: add --ray")
     if getattr(args, "ray", False):
         from ..runtime.manifest import load_manifest
         from .ray_main import run_ray
 
-        limits.model_len(load_manifest(args.out, verify_checksums=False).max_context)  # bad input: here, not per replica
+        # Bad input fails here, once, rather than in every replica.
+        limits.model_len(load_manifest(args.out, verify_checksums=False).max_context)
         return run_ray(args, limits, api_key, origins)
     from ..runtime.backends import use_shared_threads
 

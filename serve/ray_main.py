@@ -101,7 +101,8 @@ def run_ray(args, limits, api_key: str | None, origins: list[str]) -> int:
         try:
             serve.run(app, name=name, route_prefix="/", blocking=False)
         except RuntimeError as exc:  # Ray's message names the deployment; the replica's error is in its status
-            raise SpecDeployError(f"Ray Serve could not start the replicas: {_deploy_error(serve, name) or exc}") from None
+            reason = _deploy_error(serve, name) or exc
+            raise SpecDeployError(f"Ray Serve could not start the replicas: {reason}") from None
         scale = (f"{options['num_replicas']} replicas" if "num_replicas" in options else
                  "autoscaling {min_replicas}..{max_replicas} replicas".format(**options["autoscaling_config"]))
         print(f"serving '{name}' from {args.out} on http://{args.host}:{args.port} with Ray Serve ({scale}, "

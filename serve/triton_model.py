@@ -17,6 +17,7 @@ A bad request gets one error response (Triton's INVALID_ARG; UNAVAILABLE when fu
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -108,14 +109,17 @@ def public_stats(stats: dict) -> dict:
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = parameters(json.loads(args["model_config"]))
+        config = json.loads(args["model_config"])
+        params = parameters(config)
         from specdeploy.runtime import Service
         from specdeploy.runtime.backends import use_shared_threads
         from specdeploy.runtime.errors import SpecDeployError
         from specdeploy.runtime.pool import BusyError
 
         self.SpecDeployError, self.BusyError = SpecDeployError, BusyError
-        threads = int(params.get("threads") or 0) or None
+        # Each Triton instance is a process of its own: by default they split the cores, as replicas do.
+        instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
+        threads = int(params.get("threads") or 0) or max(1, (os.cpu_count() or 1) // instances)
         use_shared_threads(threads)  # this stub process: one ORT pool for all its workers
         self.service = Service.load(params["export_dir"], pool_size=int(params.get("pool_size") or 1),
                                     queue_size=int(params.get("queue_size") or 8),
