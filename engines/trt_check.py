@@ -60,8 +60,9 @@ def _feeds(onnx_path: Path) -> list[dict] | None:
     return feeds
 
 
-def _engine_bytes(manifest, graph) -> tuple[bytes, str]:
-    """The fresh built engine if there is one, else a new in-memory build."""
+def _engine_bytes(manifest, graph) -> tuple[bytes, str, int]:
+    """The fresh built engine if there is one (and the profile of `graph` in it), else a new
+    in-memory build for this graph alone (profile 0)."""
     import tensorrt as trt
 
     from ..runtime.backends.engine_records import check_engine_bytes, file_digests, load_engines, stale_reasons
@@ -74,11 +75,11 @@ def _engine_bytes(manifest, graph) -> tuple[bytes, str]:
         path = manifest.root / record["file"]
         blob = path.read_bytes()
         check_engine_bytes(record, blob, path)
-        return blob, "built engine"
+        return blob, "built engine", int(record.get("profile_index", 0))
     logger = trt_logger()
     blob, _ = build_engine(trt, trt.Builder(logger), logger, manifest, graph, None,
                            TimingCache(manifest.root / TIMING_CACHE))
-    return blob, "engine built for this check"
+    return blob, "engine built for this check", 0
 
 
 def check_graph(manifest, graph) -> TrtGraphCheck:
@@ -95,8 +96,8 @@ def check_graph(manifest, graph) -> TrtGraphCheck:
         return TrtGraphCheck(graph.name, False, f"no saved reference inputs in {onnx_path.parent / CHECK_DIR}")
     atol, rtol = TOLERANCES.get(manifest.dtype, TOLERANCES["float32"])
     try:
-        blob, origin = _engine_bytes(manifest, graph)
-        runners = [TrtRunner(EngineFromBytes(blob), name="tensorrt"),
+        blob, origin, profile = _engine_bytes(manifest, graph)
+        runners = [TrtRunner(EngineFromBytes(blob), name="tensorrt", optimization_profile=profile),
                    OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=["CPUExecutionProvider"]), name="onnxrt")]
         results = Comparator.run(runners, data_loader=feeds)
         verdict = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))

@@ -14,21 +14,26 @@ import onnx
 from onnx import TensorProto, helper
 from torch import nn
 
-from ..runtime.graph_contract import (FEATURES, FUSED, HIDDEN, INPUT_IDS, PAST_LENGTH, POSITION_IDS, TOPK_IDS,
-                                      TOPK_LOGPROBS, TREE_MASK, KVGeometry, eagle_draft_io)
+from ..runtime.graph_contract import (FEATURES, FUSED, HIDDEN, INPUT_IDS, PAST_LENGTH, POSITION_IDS, TOKENS_DIM,
+                                      TOPK_IDS, TOPK_LOGPROBS, TREE_MASK, KVGeometry, eagle_draft_io)
 from .eagle_heads import EagleHead
 from .fused_graph import AttentionShape, GraphBuilder, check_silu, float32_array
 
 
 def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
                            max_positions: int) -> onnx.ModelProto:
-    cfg, t = head.cfg, tokens
+    """The head's fused graph reading `width`-wide features, for the record of static T `tokens`.
+    T is dynamic (as in fused_graph.py): the graphs of one width are the same file content,
+    so the runtime opens one session per width and holds the head's weights once per width."""
+    if tokens < 1:
+        raise ValueError(f"a head graph needs T >= 1, got {tokens}")
+    cfg, t = head.cfg, TOKENS_DIM
     check_silu(cfg)
     eps = float(cfg.rms_norm_eps)
-    shape = AttentionShape(t, KVGeometry(head.num_layers, head.num_heads, head.num_kv_heads, head.head_dim))
+    shape = AttentionShape(None, KVGeometry(head.num_layers, head.num_heads, head.num_kv_heads, head.head_dim))
     b = GraphBuilder(wide_mask=True)
     rope = b.rope_tables(head.rotary_emb, head.hidden_size, head.head_dim, max_positions)
-    lengths = b.attention_lengths(t)
+    lengths = b.attention_lengths()
     (emb,) = b.op("Gather", [b.init("embed.weight", float32_array(head.embed_tokens.weight)), INPUT_IDS])
 
     def residual(h: str, x: str) -> str:
@@ -75,5 +80,5 @@ def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
     outputs = [helper.make_tensor_value_info(TOPK_LOGPROBS, TensorProto.FLOAT, [1, t, top_k]),
                helper.make_tensor_value_info(TOPK_IDS, TensorProto.INT64, [1, t, top_k]),
                helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, t, head.hidden_size])]
-    return b.model(f"fused_eagle_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim,
+    return b.model(f"fused_eagle_f{width}", inputs, outputs, shape.kv_heads, shape.head_dim,
                    eagle_draft_io(head.num_layers, FUSED))

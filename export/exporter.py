@@ -13,7 +13,7 @@ import torch
 from ..runtime.config import ExportConfig, load_export_config, to_dict
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (DECODER, DRAFT, FUSED, PORTABLE, TARGET, GraphRecord, KVGeometry, ModelRecord,
-                                      decoder_graph_name, decoder_io, graph_file, is_past, weights_file)
+                                      decoder_graph_name, decoder_io, graph_file, weights_file)
 from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
 from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
@@ -21,7 +21,7 @@ from .decoder_graph import DecoderGraph
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .method_export import MethodExport, load_export_step
-from .onnx_writer import SharedWeights, export_module
+from .onnx_writer import SharedWeights, decoder_dynamic_axes, export_module
 from .out_dir import Staging, checked_out_dir
 from .reference import CHECK_DIR, decoder_feeds, save_reference, torch_reference
 
@@ -87,7 +87,7 @@ class DecoderExporter:
         vocab = self.record.vocab_size
         feeds = decoder_feeds(tokens, sample_past, geometry, vocab, self.dtype, seed=tokens)
         args = [torch.from_numpy(feeds[n]) for n in self.inputs]
-        dynamic = {n: {1: "past_len"} for n in self.inputs if is_past(n)}
+        dynamic = decoder_dynamic_axes(self.inputs, self.outputs)  # T too: one graph content for every T
         export_module(self.wrapper, args, self.out / graph_file(graph), self.inputs, self.outputs, dynamic,
                       self.weights)
         ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), geometry, vocab, self.dtype,

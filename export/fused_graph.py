@@ -16,6 +16,13 @@ Inputs (runtime/graph_contract.decoder_io, flavor fused): input_ids, position_id
 tree_mask [1, T, T] bool; past_length [1] int64 (rows of the buffer already filled); past_key.i /
 past_value.i [1, kv_heads, S, D]. Outputs: logits, hidden, [features],
 present_key.i / present_value.i (the same buffers, S rows).
+
+T is a dynamic dimension (graph_contract.TOKENS_DIM): one graph, byte-identical for every
+static token count of the model, so the runtime opens one ONNX Runtime session per model
+and its prepacked weights exist once, not once per T (runtime/backends/sessions.py). The
+runtime still calls it at the manifest's static T, so results match static-T graphs bit
+for bit and ORT's kernels (GroupQueryAttention with the in-place KV buffer included)
+cost the same per call (ARCHITECTURE.md, "Weights once").
 The graph is built directly from the HF modules' weights; the PyTorch reference
 of the portable wrapper checks it (export/check.py).
 """
@@ -31,8 +38,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (FEATURES, FUSED, HIDDEN, INPUT_IDS, KEY, LOGITS, PAST_LENGTH, POSITION_IDS,
-                                      TREE_MASK, VALUE, GraphIO, KVGeometry, decoder_io, graph_file, is_past,
-                                      is_present, past_name, past_of, present_name)
+                                      TOKENS_DIM, TREE_MASK, VALUE, GraphIO, KVGeometry, decoder_io, graph_file,
+                                      is_past, is_present, past_name, past_of, present_name)
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 FUSED_DTYPES = ("float32",)  # ORT's CPU kernels for these contrib ops are fastest (and tested) in fp32
@@ -51,9 +58,18 @@ class GraphBuilder:
         self.presents: list[tuple[str, str]] = []  # (graph output name, tensor)
         self.wide_mask = wide_mask  # tree_mask has columns beyond the T new tokens (EAGLE head)
         self._n = 0
+        self._named: dict[str, np.ndarray | None] = {}  # small constants kept to compare (weights are not)
 
     def init(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        """An initializer; asking again for a small constant's name with the same value reuses it."""
+        array = np.ascontiguousarray(array)
+        if name in self._named:
+            known = self._named[name]
+            if known is None or known.dtype != array.dtype or not np.array_equal(known, array):
+                raise AssertionError(f"initializer {name} defined twice with different values")
+            return name
+        self._named[name] = array if array.size <= 16 else None
+        self.inits.append(numpy_helper.from_array(array, name))
         return name
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> list[str]:
@@ -89,33 +105,47 @@ class GraphBuilder:
         return (self.init("rope.cos", float32_array(cos[0, :, :half])),
                 self.init("rope.sin", float32_array(sin[0, :, :half])))
 
-    def attention_lengths(self, t: int) -> tuple[str, str, str]:
+    def attention_lengths(self, t: int | None = None) -> tuple[str, str, str]:
         """GroupQueryAttention's lengths (seqlens_k = total - 1, total as a scalar) and the additive
         bias: every key before the tree_mask's columns is visible, the mask decides among its
-        last S columns (S = T for decoders; earlier draft rows + T for the EAGLE head)."""
+        last S columns (S = T for decoders; earlier draft rows + T for the EAGLE head).
+        `t`: a static token count; None reads T from input_ids (a dynamic-T graph)."""
+        if t is None:
+            (ids_shape,) = self.op("Shape", [INPUT_IDS])
+            (tokens,) = self.op("Slice", [ids_shape, self.init("i1", np.array([1], np.int64)),
+                                          self.init("i2", np.array([2], np.int64))])
+            (t_count,) = self.op("Cast", [tokens], to=TensorProto.INT32)
+            (t_minus_1,) = self.op("Sub", [t_count, self.init("one_i32", np.array([1], np.int32))])
+        else:
+            tokens = self.init("t_i64", np.array([t], np.int64))
+            t_minus_1 = self.init("t_minus_1", np.array([t - 1], np.int32))
+            t_count = self.init("t_count", np.array([t], np.int32))
         (past32,) = self.op("Cast", [PAST_LENGTH], to=TensorProto.INT32)
-        (seqlens_k,) = self.op("Add", [past32, self.init("t_minus_1", np.array([t - 1], np.int32))])
-        (total1,) = self.op("Add", [past32, self.init("t_count", np.array([t], np.int32))])
+        (seqlens_k,) = self.op("Add", [past32, t_minus_1])
+        (total1,) = self.op("Add", [past32, t_count])
         (total,) = self.op("Squeeze", [total1])
-        if t == 1 and not self.wide_mask:  # one new token: plain causal attention
+        if t == 1 and not self.wide_mask:  # one new token, static: plain causal attention
             return seqlens_k, total, ""
         minf = np.finfo(np.float32).min
         (masked,) = self.op("Where", [TREE_MASK, self.init("zero_f", np.array(0, np.float32)),
                                       self.init("minf", np.array(minf, np.float32))])
         (masked,) = self.op("Unsqueeze", [masked, self.init("axis1", np.array([1], np.int64))])
-        (mask_shape,) = self.op("Shape", [TREE_MASK])
-        (mask_cols,) = self.op("Slice", [mask_shape, self.init("i2", np.array([2], np.int64)),
-                                         self.init("i3", np.array([3], np.int64))])
-        (free,) = self.op("Cast", [total1], to=TensorProto.INT64)
-        (free,) = self.op("Sub", [free, mask_cols])
-        (shape,) = self.op("Concat", [self.init("bias_lead", np.array([1, 1, t], np.int64)), free], axis=0)
+        if self.wide_mask:  # keys the mask does not cover: total - its S columns
+            (mask_shape,) = self.op("Shape", [TREE_MASK])
+            (mask_cols,) = self.op("Slice", [mask_shape, self.init("i2", np.array([2], np.int64)),
+                                             self.init("i3", np.array([3], np.int64))])
+            (free,) = self.op("Cast", [total1], to=TensorProto.INT64)
+            (free,) = self.op("Sub", [free, mask_cols])
+        else:  # the mask covers the T new rows: every cached row is visible
+            free = PAST_LENGTH
+        (shape,) = self.op("Concat", [self.init("bias_lead11", np.array([1, 1], np.int64)), tokens, free], axis=0)
         (zeros,) = self.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.zeros(1, np.float32)))
         (bias,) = self.op("Concat", [zeros, masked], axis=3)
         return seqlens_k, total, bias
 
     def attention(self, x: str, attn, layer: int, shape: "AttentionShape", lengths, rope) -> str:
         """q/k/v in one MatMul, GroupQueryAttention with the KV buffers of `layer`, o_proj."""
-        p, t = f"layers.{layer}", shape.t
+        p, t = f"layers.{layer}", shape.t if shape.t is not None else -1  # -1: Reshape infers a dynamic T
         heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
         qkv = self.linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv")
         gqa_in = [qkv, "", ""]
@@ -176,7 +206,7 @@ class GraphBuilder:
 
 
 class AttentionShape:
-    def __init__(self, t: int, geometry: KVGeometry):
+    def __init__(self, t: int | None, geometry: KVGeometry):  # t None: dynamic
         self.t, self.heads = t, geometry.num_heads
         self.kv_heads, self.head_dim = geometry.num_kv_heads, geometry.head_dim
 
@@ -189,16 +219,21 @@ def check_silu(cfg) -> None:
 
 def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
                         feature_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
-    """The fused graph of an HF Llama-family causal LM for a static token count `tokens`."""
+    """The fused graph of an HF Llama-family causal LM, for the record of static T `tokens`.
+
+    T is a dynamic dimension, so the graph (and its file) is the same for every `tokens`:
+    the runtime opens it once per model. `tokens` only checks the call."""
+    if tokens < 1:
+        raise ValueError(f"a decoder graph needs T >= 1, got {tokens}")
     cfg = causal_lm.config
     check_silu(cfg)
     body = causal_lm.model
-    shape = AttentionShape(tokens, KVGeometry.from_config(cfg))
+    shape = AttentionShape(None, KVGeometry.from_config(cfg))
     eps = float(cfg.rms_norm_eps)
-    t = tokens
+    t = TOKENS_DIM
     b = GraphBuilder()
     rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
-    lengths = b.attention_lengths(t)
+    lengths = b.attention_lengths()
 
     (h,) = b.op("Gather", [b.init("embed.weight", float32_array(body.embed_tokens.weight)), INPUT_IDS])
     pending = None  # the last sub-block's output, not yet added to the residual stream h
@@ -240,7 +275,7 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
               helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [1, t, t]),
               helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [1])]
     io = decoder_io(len(body.layers), bool(feature_layers), FUSED)
-    return b.model(f"fused_decoder_t{t}", inputs, outputs, shape.kv_heads, shape.head_dim, io)
+    return b.model("fused_decoder", inputs, outputs, shape.kv_heads, shape.head_dim, io)
 
 
 def write_fused(model: onnx.ModelProto, out_dir: Path, name: str, weights, portable_feeds: dict,

@@ -1,7 +1,11 @@
 """torch module -> ONNX file whose large weights live in one shared, deduplicated file.
 
-Every static token count T is its own graph, but all graphs of a model hold the
-same weights; storing them once keeps an export's disk size ~1x the model.
+Every static token count T is its own graph record, but all graphs of a model hold the
+same weights; storing them once keeps an export's disk size ~1x the model. A decoder is
+traced with its token count as a dynamic dimension (`decoder_dynamic_axes`), so the
+graph written for each T is the same file content: the runtime opens it once per model
+(runtime/backends/sessions.py) and TensorRT builds one engine with a profile per T
+(engines/builder.py), the weights once either way.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from pathlib import Path
 import onnx
 import torch
 from onnx import numpy_helper
+
+from ..runtime.graph_contract import TOKENS_DIM, TREE_MASK, is_past
 
 INLINE_LIMIT = 1024  # bytes: small constants stay inside the graph
 ALIGN = 64
@@ -54,9 +60,20 @@ class SharedWeights:
                     entry.key, entry.value = k, v
 
 
+def decoder_dynamic_axes(input_names, output_names) -> dict[str, dict[int, str]]:
+    """A decoder graph's dynamic axes: the past length P of past_* inputs ([1, P, kv, D]) and
+    the token count T of everything else ([1, T, ...]; tree_mask [1, T, T])."""
+    axes = {}
+    for name in input_names:
+        axes[name] = {1: "past_len"} if is_past(name) else {1: TOKENS_DIM}
+    axes[TREE_MASK] = {1: TOKENS_DIM, 2: TOKENS_DIM}
+    axes.update((name, {1: TOKENS_DIM}) for name in output_names)
+    return axes
+
+
 def export_module(module, args, graph_file: Path, input_names, output_names, dynamic_axes,
                   weights: SharedWeights, opset: int = 17) -> None:
-    """Trace `module` with the TorchScript exporter (static T, dynamic past) and write it."""
+    """Trace `module` with the TorchScript exporter (`dynamic_axes` as torch.onnx takes them) and write it."""
     graph_file.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_file = Path(tmp) / "graph.onnx"

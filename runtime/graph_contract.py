@@ -21,6 +21,10 @@ KINDS = (DECODER, EAGLE_DRAFT, MEDUSA_HEADS)
 PORTABLE = "portable"  # standard ONNX ops, past/present KV as separate tensors: what TensorRT builds from
 FUSED = "fused"  # ONNX Runtime CPU contrib ops, the KV cache bound as one buffer written in place
 FLAVORS = (PORTABLE, FUSED)
+# The token count T as a named dimension: decoder graphs (and EAGLE's fused head) leave it dynamic,
+# so one file content serves every static T of a model (runtime/backends/sessions.py opens it once,
+# TensorRT builds one engine with a profile per T); the runtime calls each record at its own T.
+TOKENS_DIM = "tokens"
 
 TARGET, DRAFT, EAGLE = "target", "draft", "eagle"  # model names in the manifest
 

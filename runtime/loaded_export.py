@@ -1,7 +1,15 @@
 """An export directory loaded for running: manifest, tokenizer and lazily opened decoders.
 
 One instance serves one request at a time (its KV caches are per instance);
-runtime/pool.py hands out instances to concurrent requests.
+runtime/pool.py hands out instances to concurrent requests. What does not change per
+request is loaded once: `sibling()` instances share the manifest, tokenizer and method
+configs, and every instance of the process shares ONNX Runtime sessions
+(backends/sessions.py), so a pool holds each model's weights once.
+
+Graphs open when needed: a decoder opens its smallest T's graph (the decode step) when
+created and any other T's on its first step at that T, a drafter its own graphs when
+built. `warm_up(method)` opens what a method can call ahead of its first request (a
+service does it at load).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from .decoder import Decoder
 from .errors import SpecDeployError
 from .graph_contract import FUSED, PORTABLE, TARGET
 from .manifest import load_manifest
-from .methods import method_spec, validate_methods
+from .methods import build_drafter, method_spec, validate_methods
 from .tokenizer import TextTokenizer
 
 
@@ -52,6 +60,23 @@ class LoadedExport:
             raise SpecDeployError(
                 f"vocabulary mismatch: tokenizer has {self.tokenizer.vocab_size} tokens, target vocab is {target.vocab_size}"
             )
+
+    def sibling(self) -> "LoadedExport":
+        """Another instance of the same export for a concurrent request: its own decoders and
+        KV caches, the loaded manifest, tokenizer and configs shared (sessions are anyway)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin._decoders, twin._parts = {}, {}
+        return twin
+
+    def warm_up(self, method: str) -> None:
+        """Open now every graph `method` can call: the graphs of the decoders it runs (any
+        size can serve a prefill chunk or a short proposal) and its drafter's own."""
+        config = self.method_config(method)
+        build_drafter(self, config)  # opens the drafter's graphs (heads) and decoders (draft)
+        for decoder in self._decoders.values():
+            if hasattr(decoder, "open"):  # TensorRT decoders load every engine up front
+                decoder.open()
 
     def decoder(self, model: str) -> Decoder:
         if model not in self._decoders:

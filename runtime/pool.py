@@ -2,19 +2,18 @@
 
 Why a pool of whole instances rather than one shared session with a batching scheduler:
 
-* Memory: every instance opens its own ORT sessions and owns its KV caches, so N instances
-  hold N copies of the weights (per graph, as ORT materialises external data per session)
-  plus N caches of `max_context` rows. A single-session scheduler would hold the weights
-  once and could batch requests for better accelerator utilisation.
+* Memory: the instances share what does not change per request: the loaded manifest,
+  tokenizer and configs (`LoadedExport.sibling`) and every ONNX Runtime session, hence the
+  weights (runtime/backends/sessions.py: one session per graph and process, concurrent
+  `run` calls each with its own IO binding). An instance owns only its KV caches (N
+  instances: N caches of `max_context` rows) and its bindings. A single-session scheduler
+  could also batch requests for better accelerator utilisation.
 * But the exported graphs are batch-1 and static-shape, and speculative steps differ per
   request (each request has its own tree, acceptance length and cache length), so batching
   would need batch-dimension graphs, ragged/paged KV and per-request tree masks — a
   different export. With batch-1 graphs the pool is what gives concurrency: ORT releases
   the GIL in `run`, so N requests really run in parallel, each isolated in its own state
   (no locking inside the decode loop, a fault in one request cannot corrupt another).
-* Sharing weights between the pool's sessions (ORT `add_initializer` with one set of
-  OrtValues, or a prepacked-weights container) would remove the N-fold weight cost while
-  keeping this design; it needs a backend change and is not done yet.
 
 Admission is bounded on both sides: at most `size` requests run, at most `queue_size` wait
 (FIFO, each for at most `queue_timeout` seconds); anything beyond gets BusyError at once.

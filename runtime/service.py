@@ -23,7 +23,6 @@ from pathlib import Path
 from .errors import SpecDeployError
 from .loaded_export import LoadedExport
 from .generate import Generation, GenerationResult, TokenEvent, validate_request
-from .methods import build_drafter
 from .pool import BusyError, ExportPool, Ticket
 from .sampling import SamplingParams
 
@@ -50,18 +49,19 @@ class Service:
              verify_checksums: bool = True, warmup: bool = True) -> "Service":
         """Open `pool_size` instances of one export (checksums are verified once).
 
-        `threads`: ORT intra-op threads per session; by default the CPU backend splits the
-        cores between the instances so that a full pool does not oversubscribe them.
+        `threads`: ORT intra-op threads per session. The instances share their sessions (one
+        copy of the weights), so concurrent requests share each session's thread pool; by
+        default the CPU backend sizes it so that its workers plus one calling thread per
+        instance fill the cores (ignored under use_shared_threads, the process-wide pool).
         `warmup` opens every method's graphs now rather than in the first requests.
         """
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise SpecDeployError(f"pool size must be an integer >= 1, got {pool_size!r}")
         first = LoadedExport(export_dir, backend=backend, threads=threads, verify_checksums=verify_checksums)
         if threads is None and first.backend == "ort-cpu":
-            threads = max(1, (os.cpu_count() or 1) // pool_size)
+            threads = max(1, (os.cpu_count() or 1) - pool_size + 1)
             first = LoadedExport(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
-        exports = [first] + [LoadedExport(export_dir, backend=first.backend, threads=threads,
-                                          verify_checksums=False) for _ in range(pool_size - 1)]
+        exports = [first] + [first.sibling() for _ in range(pool_size - 1)]  # weights shared, KV per instance
         unavailable: dict[str, str] = {}
         for export in exports:
             export.decoder("target")
@@ -69,8 +69,8 @@ class Service:
                 for name in list(first.methods):
                     if name in unavailable:
                         continue
-                    try:  # building a drafter opens the graphs its method needs
-                        build_drafter(export, export.method_config(name))
+                    try:  # the graphs the method can call, and its drafter's
+                        export.warm_up(name)
                     except SpecDeployError as exc:  # serve the other methods; say why this one is missing
                         unavailable[name] = str(exc)
                         log.warning("method %r is not available: %s", name, exc)

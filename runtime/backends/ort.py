@@ -1,4 +1,8 @@
-"""ONNX Runtime sessions: providers, the process-wide thread pool, plain and in-place bound graphs."""
+"""ONNX Runtime sessions: providers, the process-wide thread pool, plain and in-place bound graphs.
+
+Sessions are shared by every graph object that runs the same graph the same way
+(backends/sessions.py): a graph object owns only its IO binding and arrays.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecDeployError
-from ..graph_contract import parse_kv_name, present_of
+from ..graph_contract import TOKENS_DIM, parse_kv_name, present_of
+from .sessions import shared_session
 
 ORT_PROVIDERS = {
     "ort-cpu": ["CPUExecutionProvider"],
@@ -73,15 +78,23 @@ def session_options(threads: int | None):
 _THREADING: str | None = None  # fixed by the first session this process opens
 
 
-def open_session(path: Path, backend: str, threads: int | None):
+def open_session(path: Path, backend: str, threads: int | None, providers: list | None = None):
+    """The process's session of the graph at `path` on `backend` (opened on first use, then shared).
+
+    `providers` overrides the backend's provider list (with options, e.g. TensorRT-EP profiles)."""
     import onnxruntime as ort
 
-    try:
-        # Under "trt", graphs that have no engine (drafter heads) run on ORT's CUDA provider.
-        providers = ORT_PROVIDERS["ort-cuda"] if backend == "trt" else ORT_PROVIDERS[backend]
-        return ort.InferenceSession(str(path), session_options(threads), providers=providers)
-    except Exception as exc:  # corrupt or truncated graph / external data
-        raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
+    # Under "trt", graphs that have no engine (drafter heads) run on ORT's CUDA provider.
+    providers = providers or (ORT_PROVIDERS["ort-cuda"] if backend == "trt" else ORT_PROVIDERS[backend])
+    use_per_session_threads()  # fixes the thread-pool mode (a no-op once chosen): it is part of the key
+
+    def new_session():
+        try:
+            return ort.InferenceSession(str(path), session_options(threads), providers=providers)
+        except Exception as exc:  # corrupt or truncated graph / external data
+            raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
+
+    return shared_session(path, (repr(providers), threads, _THREADING), new_session)
 
 
 class OrtGraph:
@@ -101,9 +114,13 @@ class InPlaceGraph:
     present are the same memory, so the graph writes new rows in place), its small
     inputs and its outputs. A call only fills the input arrays and runs; inputs
     with a dynamic dimension (the EAGLE head's mask width) are bound per call.
+
+    `tokens` sizes a dynamic-T graph (dimension graph_contract.TOKENS_DIM): each static T
+    is its own binding over the one shared session, so the weights are held once.
     """
 
-    def __init__(self, path: Path, threads: int | None, kv_buffers: dict[str, np.ndarray]):
+    def __init__(self, path: Path, threads: int | None, kv_buffers: dict[str, np.ndarray],
+                 tokens: int | None = None):
         import onnxruntime as ort
 
         self.session = open_session(path, "ort-cpu", threads)
@@ -112,6 +129,9 @@ class InPlaceGraph:
         self.outputs: dict[str, np.ndarray] = {}
         self._keep = []  # OrtValues must outlive the binding
         types = {"tensor(int64)": np.int64, "tensor(bool)": np.bool_, "tensor(float)": np.float32}
+
+        def shape_of(arg) -> list:
+            return [tokens if d == TOKENS_DIM and tokens is not None else d for d in arg.shape]
 
         def bind(name: str, array: np.ndarray, output: bool) -> None:
             value = ort.OrtValue.ortvalue_from_numpy(array)  # shares the array's memory
@@ -125,14 +145,19 @@ class InPlaceGraph:
         for i in self.session.get_inputs():
             if i.name in kv_buffers:
                 continue
-            if all(isinstance(d, int) for d in i.shape):
-                self.inputs[i.name] = np.zeros(i.shape, types[i.type])
+            shape = shape_of(i)
+            if all(isinstance(d, int) for d in shape):
+                self.inputs[i.name] = np.zeros(shape, types[i.type])
                 bind(i.name, self.inputs[i.name], False)
             else:
                 self.dynamic.add(i.name)
         for o in self.session.get_outputs():
             if parse_kv_name(o.name) is None:
-                self.outputs[o.name] = np.zeros(o.shape, types[o.type])
+                shape = shape_of(o)
+                if not all(isinstance(d, int) for d in shape):
+                    raise SpecDeployError(f"{Path(path).name}: output {o.name} has shape {o.shape}; "
+                                          f"a dynamic-T graph needs its static T to be bound in place")
+                self.outputs[o.name] = np.zeros(shape, types[o.type])
                 bind(o.name, self.outputs[o.name], True)
 
     def run(self, feeds: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:

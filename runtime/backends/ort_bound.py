@@ -10,6 +10,11 @@ memory (ORT copies them).
 
 On "ort-cpu" the same code runs on HostMemory (raw pointers into numpy
 buffers); that is how the tests exercise the binding logic without a GPU.
+
+The smallest T's session opens with the decoder, any other on its first call (or by
+`open`), and sessions are
+shared by every decoder of the process that runs the same graph (backends/sessions.py):
+a serving pool holds the weights once on the device, each instance only its bindings.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecDeployError
-from ..graph_contract import INPUT_IDS, KV_KINDS, POSITION_IDS, TREE_MASK, GraphRecord, parse_kv_name, past_name
+from ..graph_contract import (INPUT_IDS, KV_KINDS, POSITION_IDS, TOKENS_DIM, TREE_MASK, GraphRecord, parse_kv_name,
+                              past_name)
 from ..manifest import Manifest
 from .device_decoder import DeviceDecoder
 from .device_memory import CudaMemory, HostMemory, cuda_unavailable_reason
-from .ort import ORT_PROVIDERS, session_options
+from .ort import ORT_PROVIDERS, open_session
+from .ort_decoder import OnFirstUse
 from .trt_profiles import graph_profile
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -54,31 +61,38 @@ def _trt_ep_options(manifest: Manifest, graph: GraphRecord, root: Path) -> dict:
 class OrtBoundDecoder(DeviceDecoder):
     def __init__(self, manifest: Manifest, model: str, backend: str = "ort-cuda", threads: int | None = None,
                  memory=None):
-        import onnxruntime as ort
-
         if memory is None:
             memory = HostMemory() if backend == "ort-cpu" else CudaMemory()
         super().__init__(manifest, model, memory)
-        self.backend = backend
-        opts = session_options(threads)
-        self.sessions, self.bindings, self.graph_outputs = {}, {}, {}
+        self.backend, self.threads, self.manifest = backend, threads, manifest
+        self.graph_outputs: dict[int, list[str]] = {}
         self.outputs: dict[str, tuple[int, tuple, np.dtype]] = {}  # name -> (device ptr, row shape, dtype)
-        for t, g in sorted(self.graph_records.items()):
-            providers = list(ORT_PROVIDERS[backend])
-            if backend == "ort-trt":
-                providers[0] = (providers[0], _trt_ep_options(manifest, g, manifest.root))
-            path = manifest.graph_path(g)
-            try:
-                sess = ort.InferenceSession(str(path), opts, providers=providers)
-            except Exception as exc:
-                raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
-            wanted = ORT_PROVIDERS[backend][0]
-            if wanted not in sess.get_providers():
-                # ORT falls back to CPU when a GPU provider fails to load; device pointers would then be wrong.
-                raise SpecDeployError(f"onnxruntime could not start {wanted} for {path.name} "
-                                      "(missing CUDA/cuDNN libraries for this onnxruntime-gpu build?)")
-            self.sessions[t] = sess
-            self.bindings[t] = self._bind_outputs(sess, t)
+        self.sessions = OnFirstUse(self._open_session)
+        self.bindings = OnFirstUse(lambda t: self._bind_outputs(self.sessions[t], t))
+        self.bindings[self.sizes[0]]  # the decode graph every generation runs: opened now, not in a timed step
+
+    def _open_session(self, t: int):
+        g = self.graph_records[t]
+        providers = list(ORT_PROVIDERS[self.backend])
+        if self.backend == "ort-trt":
+            providers[0] = (providers[0], _trt_ep_options(self.manifest, g, self.manifest.root))
+        path = self.manifest.graph_path(g)
+        sess = open_session(path, self.backend, self.threads, providers)
+        wanted = ORT_PROVIDERS[self.backend][0]
+        if wanted not in sess.get_providers():
+            # ORT falls back to CPU when a GPU provider fails to load; device pointers would then be wrong.
+            raise SpecDeployError(f"onnxruntime could not start {wanted} for {path.name} "
+                                  "(missing CUDA/cuDNN libraries for this onnxruntime-gpu build?)")
+        return sess
+
+    def open(self, sizes=None) -> None:
+        """Open and bind the graphs of `sizes` (default: all) now rather than on first use."""
+        for t in self.sizes if sizes is None else sizes:
+            self.bindings[t]
+
+    @property
+    def opened(self) -> list[int]:
+        return sorted(self.bindings)
 
     def _bind_outputs(self, sess, t: int):
         """Bind every output once: presents into the cache scratch, the rest into shared device buffers."""
@@ -92,7 +106,7 @@ class OrtBoundDecoder(DeviceDecoder):
             if kv is not None:
                 io.bind_output(o.name, dev, dev_id, kv_dtype, kv_shape, self.cache.present_ptr(kv.layer, kv.kind_index))
                 continue
-            shape = tuple(o.shape)
+            shape = tuple(t if d == TOKENS_DIM else d for d in o.shape)
             if len(shape) < 2 or not all(isinstance(d, int) for d in shape) or shape[:2] != (1, t):
                 raise SpecDeployError(f"output {o.name} of the T={t} graph has shape {shape}, expected static [1, {t}, ...]")
             if o.type not in _ORT_TYPES:
@@ -111,7 +125,7 @@ class OrtBoundDecoder(DeviceDecoder):
         return io
 
     def _execute(self, t, feeds, past, n):
-        io = self.bindings[t]
+        io = self.bindings[t]  # opens the T graph on its first call
         dev, dev_id = self.memory.device_type, self.memory.device_id
         for name in FIXED_INPUTS:
             io.bind_cpu_input(name, feeds[name])

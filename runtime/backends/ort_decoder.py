@@ -3,6 +3,10 @@
 Portable graphs take the past as views of the cache buffer and return the new rows'
 KV, which commit copies; fused graphs (ORT CPU only) are bound once to the cache
 buffers and write the new rows in place.
+
+The smallest T's graph opens with the decoder, any other on its first call (or by `open`,
+at a service's warm-up): a generation opens only the sizes it runs. Sessions are shared (backends/sessions.py), so
+the fused graph, one file content for every T, is one session per model and process.
 """
 
 from __future__ import annotations
@@ -17,24 +21,55 @@ from ..manifest import Manifest
 from .ort import InPlaceGraph, OrtGraph
 
 
+class OnFirstUse(dict):
+    """A dict whose missing keys are made by `make(key)` when first read."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        value = self[key] = self.make(key)
+        return value
+
+
 class OrtDecoder(Decoder):
     def __init__(self, manifest: Manifest, model: str, backend: str = "ort-cpu", threads: int | None = None,
                  fused: bool = False):
         flavor = FUSED if fused else PORTABLE
-        graphs = manifest.decoder_graphs(model, flavor)
-        if not graphs:
+        self.records = manifest.decoder_graphs(model, flavor)
+        if not self.records:
             raise SpecDeployError(f"export has no {'fused ' if fused else ''}decoder graphs for model '{model}'")
         record = manifest.models[model]
         cache = KVCache(record, manifest.max_context, manifest.dtype, in_place=fused)
-        super().__init__(record, cache, graphs, manifest.max_context)
+        super().__init__(record, cache, self.records, manifest.max_context)
         self.flavor = flavor
         self.presents = present_names(record.num_layers)
-        if fused:
-            buffers = cache.buffers()
-            self.graphs = {t: InPlaceGraph(manifest.graph_path(g), threads, buffers) for t, g in sorted(graphs.items())}
-            self.inputs = {t: StaticCall(t, g.inputs) for t, g in self.graphs.items()}  # fill the bound arrays
-        else:
-            self.graphs = {t: OrtGraph(manifest.graph_path(g), backend, threads) for t, g in sorted(graphs.items())}
+        self.manifest, self.backend, self.threads = manifest, backend, threads
+        self.graphs: dict[int, InPlaceGraph | OrtGraph] = OnFirstUse(self._open)
+        if fused:  # a static T's inputs are its graph's bound arrays (filled in place)
+            self.inputs = OnFirstUse(lambda t: StaticCall(t, self.graphs[t].inputs))
+        # Every generation decodes with the smallest graph: open it now, not inside a timed step.
+        # With a dynamic-T export that is the model's one session; other T only add a binding.
+        self.graphs[self.sizes[0]]
+
+    def _open(self, t: int):
+        if t not in self.records:
+            raise SpecDeployError(f"no {self.what} graph for T={t} (exported sizes: {self.sizes})")
+        path = self.manifest.graph_path(self.records[t])
+        if self.fused:
+            return InPlaceGraph(path, self.threads, self.cache.buffers(), tokens=t)
+        return OrtGraph(path, self.backend, self.threads)
+
+    def open(self, sizes=None) -> None:
+        """Open the graphs of `sizes` (default: every exported size) now rather than on first use."""
+        for t in self.sizes if sizes is None else sizes:
+            self.graphs[t]
+
+    @property
+    def opened(self) -> list[int]:
+        """The static T whose graphs this decoder has opened."""
+        return sorted(self.graphs)
 
     def _run(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
         graph = self.graphs[t]

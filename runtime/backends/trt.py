@@ -5,6 +5,12 @@ in OUT/engines.json (read with engine_records.py); an engine whose ONNX or weigh
 bytes do not match their recorded sha256, or that was built by another TensorRT version or for
 another GPU, is refused with a clear error (never silently used).
 
+One engine per model (engines/builder.py): the decoder's graphs for every static T,
+one optimization profile each. Each T gets its own execution context on its own
+profile (`profile_index` in engines.json; TensorRT lets a profile serve one live
+context at a time), with the T-sized input shapes set once; the weights are on the
+GPU once. Engines of older exports, one per T, load the same way (profile 0 each).
+
 Per model, every tensor address is bound once, at load:
 * `past_key.{i}`/`past_value.{i}` -> the start of that layer's device KV buffer.
   The past is sequence-major, so `[:P]` is the buffer's first P rows and each
@@ -111,23 +117,25 @@ class TrtDecoder(DeviceDecoder):
             plans[t] = (manifest.root / rec["file"], rec)
         logger = trt_logger()
         runtime = trt.Runtime(logger)
-        engines = {}
+        loaded, engines = {}, {}
         for t, (path, rec) in plans.items():
-            blob = path.read_bytes()
-            check_engine_bytes(rec, blob, path)  # on the bytes deserialized: nothing can change in between
-            engine = runtime.deserialize_cuda_engine(blob)
-            if engine is None:
-                detail = logger.errors[-1] if logger.errors else "no detail"
-                raise SpecDeployError(f"TensorRT could not load {path} ({detail}); rebuild with "
-                                      f"`specdeploy engines {manifest.root} --rebuild`")
-            engines[t] = engine
+            if path not in loaded:  # an engine serving several T is deserialized once
+                blob = path.read_bytes()
+                check_engine_bytes(rec, blob, path)  # on the bytes deserialized: nothing can change in between
+                loaded[path] = runtime.deserialize_cuda_engine(blob)
+                if loaded[path] is None:
+                    detail = logger.errors[-1] if logger.errors else "no detail"
+                    raise SpecDeployError(f"TensorRT could not load {path} ({detail}); rebuild with "
+                                          f"`specdeploy engines {manifest.root} --rebuild`")
+            engines[t] = (loaded[path], int(rec.get("profile_index", 0)))
         self._attach(manifest, model, trt, CudaMemory(device), engines, logger)
         self.runtime = runtime
 
     @classmethod
     def from_engines(cls, manifest: Manifest, model: str, trt, memory, engines: dict, logger=None) -> TrtDecoder:
-        """A decoder over already deserialized engines (keyed by T) and a given memory; the
-        tests use it to drive the binding logic with a stand-in engine on host memory."""
+        """A decoder over already deserialized engines and a given memory: {T: engine} or
+        {T: (engine, profile index)}; the tests use it to drive the binding logic with a
+        stand-in engine on host memory."""
         self = cls.__new__(cls)
         self._attach(manifest, model, trt, memory, engines, logger)
         return self
@@ -137,12 +145,18 @@ class TrtDecoder(DeviceDecoder):
         if sorted(engines) != self.sizes:
             raise SpecDeployError(f"engines for T={sorted(engines)}, the export has decoder graphs for T={self.sizes}")
         self.trt, self.logger = trt, logger
-        self.engines, self.contexts, self.graph_outputs = engines, {}, {}
+        engines = {t: e if isinstance(e, tuple) else (e, 0) for t, e in engines.items()}
+        self.engines = {t: engine for t, (engine, _) in engines.items()}
+        self.contexts, self.graph_outputs = {}, {}
         self.buffers: dict[str, tuple[int, tuple, np.dtype]] = {}  # name -> (device ptr, row shape, dtype)
-        for t, engine in sorted(engines.items()):
+        for t, (engine, profile) in sorted(engines.items()):
             context = engine.create_execution_context()
             if context is None:
                 raise SpecDeployError(f"TensorRT could not create an execution context for T={t} (out of GPU memory?)")
+            # The profile first: choosing one resets the context's input shapes.
+            several = getattr(engine, "num_optimization_profiles", 1) > 1
+            if (profile or several) and not context.set_optimization_profile_async(profile, self.memory.stream):
+                raise SpecDeployError(f"TensorRT refused optimization profile {profile} for T={t}")
             self.contexts[t] = context
             self._bind(t, engine, context)
 
@@ -170,11 +184,17 @@ class TrtDecoder(DeviceDecoder):
             elif is_input:
                 if name not in FIXED_INPUTS:
                     raise SpecDeployError(f"engine for T={t} has an unexpected input {name!r}")
-                # [1, T] ids/positions and the [1, T, T] mask, in buffers sized for the largest T.
+                # [1, T] ids/positions and the [1, T, T] mask, in buffers sized for the largest T;
+                # their shapes are this context's for good (T is dynamic in a one-engine-per-model plan).
                 rows = (max(self.sizes),) if name == TREE_MASK else ()
                 ptr = self._buffer(name, rows, dtype)
+                shape = (1, t, t) if name == TREE_MASK else (1, t)
+                if -1 in tuple(engine.get_tensor_shape(name)) and not context.set_input_shape(name, shape):
+                    raise SpecDeployError(f"TensorRT rejected shape {shape} for {name} (outside the T={t} profile?)")
             else:
                 shape = tuple(engine.get_tensor_shape(name))
+                if len(shape) >= 2 and shape[1] == -1:  # a dynamic T: this context's
+                    shape = (shape[0], t, *shape[2:])
                 if len(shape) < 2 or shape[:2] != (1, t) or min(shape) < 0:
                     raise SpecDeployError(f"engine output {name} has shape {shape}, expected static [1, {t}, ...]")
                 ptr = self._buffer(name, shape[2:], dtype)

@@ -2,9 +2,10 @@
 
 The "trt" and "ort-trt" backends bind within them; engines/builder.py builds with them.
 
-A decoder graph has a static token count T and one dynamic dimension, the past
-length P of every `past_key.*`/`past_value.*` input ([1, P, kv_heads, head_dim]).
-Each engine gets one profile:
+A decoder graph record has a static token count T; its file leaves T dynamic (one
+file content for every T of a model) as it does the past length P of every
+`past_key.*`/`past_value.*` input ([1, P, kv_heads, head_dim]). Each record gets one
+profile (an engine serving several T holds one per T, engines/builder.py):
 
 * input_ids, position_ids [1, T] and tree_mask [1, T, T]: min = opt = max;
 * past: P in [0, max_context - T].

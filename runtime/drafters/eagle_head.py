@@ -60,8 +60,8 @@ class EagleHeadRunner(StaticDecoder):
         self.graphs: dict[int, dict[int, OrtGraph | InPlaceGraph]] = {}  # feature width -> T -> graph
         for g in manifest.graphs_of(EAGLE_DRAFT, EAGLE, FUSED if self.fused else PORTABLE):
             path = manifest.graph_path(g)
-            self.graphs.setdefault(g.features, {})[g.tokens] = (
-                InPlaceGraph(path, threads, buffers) if self.fused else OrtGraph(path, backend, threads))
+            self.graphs.setdefault(g.features, {})[g.tokens] = (  # fused: one session per width, a binding per T
+                InPlaceGraph(path, threads, buffers, g.tokens) if self.fused else OrtGraph(path, backend, threads))
         for width in {self.feature_dim, spec.hidden_size}:
             if width not in self.graphs:
                 raise SpecDeployError(f"export has no EAGLE draft graph reading {width}-wide features (re-export)")
