@@ -64,17 +64,33 @@ def test_no_fused_export_runs_the_portable_graphs(micro_family, tmp_path):
     assert fused.returncode == 2 and "fused graphs need" in fused.stderr and "Traceback" not in fused.stderr
 
 
-def test_fp16_export_checks_and_generates(micro_family, tmp_path):
+def test_fp16_export_checks_and_generates(micro_family, micro_export, tmp_path):
+    """A float16 export passes its accuracy check (every graph printed within its bound against torch
+    float16) and decodes like the float32 export: drafting is lossless within it, and its greedy tokens
+    are the float32 export's (the micro target has no near-tie in the first tokens of this prompt)."""
     out = tmp_path / "fp16"
     proc = run_cli("export", "--target", micro_family / "target", "--draft", micro_family / "draft", "--out", out,
                    "--dtype", "float16")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["dtype"] == "float16"
+    assert manifest["dtype"] == "float16" and manifest["check"] == "passed"
     assert all(g.get("flavor") != "fused" for g in manifest["graphs"].values())  # fused graphs are fp32-only
-    gen = run_cli("generate", out, "--method", "draft", "--prompt", "def f(x):", "--max-new-tokens", "8", "--json")
-    assert gen.returncode == 0, gen.stderr
-    assert len(json.loads(gen.stdout.splitlines()[-1])["token_ids"]) >= 1
+    report = proc.stdout + proc.stderr
+    for name in manifest["graphs"]:
+        assert re.search(rf"^ *ok +{re.escape(name)}: .*max\|err\| \S+ <= bound .*torch float16", report, re.M), \
+            (name, report)
+    assert not re.search(r"^ *FAIL", report, re.M), report
+
+    def greedy(export, method: str) -> dict:
+        gen = run_cli("generate", export, "--method", method, "--prompt", "def f(x):", "--max-new-tokens", "12",
+                      "--ignore-eos", "--json")
+        assert gen.returncode == 0, gen.stderr
+        return json.loads(gen.stdout.splitlines()[-1])
+
+    draft16, ar16, ar32 = greedy(out, "draft"), greedy(out, "ar"), greedy(micro_export, "ar")
+    assert len(draft16["token_ids"]) == 12 and draft16["token_ids"] == ar16["token_ids"]
+    assert draft16["stats"]["acceptance_length"] > 1  # the float16 draft model's tokens were accepted
+    assert ar16["token_ids"][:8] == ar32["token_ids"][:8], (ar16["text"], ar32["text"])
 
 
 def test_manifest_records_shapes_vocab_and_checksums(micro_export):

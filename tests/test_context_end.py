@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 
-import numpy as np
 import pytest
 
 from conftest import hf_greedy
@@ -141,29 +140,3 @@ def test_export_has_the_small_graphs_the_end_needs(full, eagle3):
         graphs = export.manifest.graphs_of(EAGLE_DRAFT, EAGLE, PORTABLE)
         width = int(head.extra["feature_dim"])  # a one-row catch-up fits until the last position
         assert any(g.tokens == 1 and g.features == width for g in graphs)
-
-
-def test_graph_choice_never_pads_past_the_room():
-    from specdeploy.runtime.decoder import fitting_call
-
-    sizes = [1, 2, 9, 48]
-    assert fitting_call(sizes, 30, 100) == (30, 48)  # the smallest graph holding every row
-    assert fitting_call(sizes, 30, 40) == (9, 9)  # else the largest that fits: rows = T
-    assert fitting_call(sizes, 2, 5) == (2, 2)
-    assert fitting_call(sizes, 100, 60) == (48, 48)  # more rows than any graph holds
-    assert fitting_call(sizes, 3, 1) == (1, 1)
-    assert fitting_call([3, 7], 1, 2) is None  # nothing fits: the caller proposes less
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        n, room = int(rng.integers(1, 80)), int(rng.integers(1, 80))
-        rows, t = fitting_call(sizes, n, room)
-        assert rows <= min(n, t) and t <= room and (rows == n or t == rows)
-
-
-def test_prefill_chunk_must_be_below_the_context():
-    from specdeploy.runtime.config import ExportConfig
-    from specdeploy.runtime.errors import SpecDeployError
-
-    assert ExportConfig(max_context=500, prefill_chunk=64).prefill_chunk == 64  # not a multiple: fine
-    with pytest.raises(SpecDeployError, match="prefill_chunk 64 must be below max_context 64"):
-        ExportConfig(max_context=64, prefill_chunk=64)

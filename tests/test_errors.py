@@ -60,10 +60,6 @@ def test_corrupt_manifest(broken_copy):
     assert_clean_error(gen(broken_copy), "not valid JSON")
 
 
-def test_missing_export_dir(tmp_path):
-    assert_clean_error(gen(tmp_path / "nowhere"), "not found")
-
-
 def test_weights_checksum_mismatch(broken_copy):
     weights = broken_copy / "weights" / "target.bin"
     data = bytearray(weights.read_bytes())

@@ -33,31 +33,6 @@ def test_bytes_per_step_do_not_grow_with_context(micro_export, graphs):
     assert per_step["short"] == per_step["long"] == expected
 
 
-def test_in_place_commit_moves_only_the_rows_off_the_path():
-    """A tree step's accepted path [0, 2, 5] keeps row 0 where it is and moves two rows down."""
-    import numpy as np
-
-    from specdeploy.runtime.kv_cache import KVCache
-    from specdeploy.runtime.graph_contract import ModelRecord
-
-    spec = ModelRecord("m", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, hidden_size=8, vocab_size=10)
-    cache = KVCache(spec, max_context=32, in_place=True)
-    cache.length = 10
-    for buf in (*cache.keys, *cache.values):  # row r of the step holds the value r
-        buf[0, :, 10:16] = np.arange(6, dtype=np.float32)[None, :, None]
-    before = [b.copy() for b in cache.keys]
-    cache.commit_in_place([0, 2, 5])
-    assert cache.length == 13
-    for buf, old in zip(cache.keys, before):
-        assert (buf[0, :, 10:13, 0] == np.array([0, 2, 5])).all()
-        assert (buf[0, :, :10] == old[0, :, :10]).all()  # the past is untouched
-    row = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
-    assert cache.bytes_copied == 2 * row
-    assert type(cache.bytes_copied) is int  # it ends up in JSON stats
-    cache.commit_in_place(slice(0, 4))  # a chain: nothing moves
-    assert cache.length == 17 and cache.bytes_copied == 2 * row
-
-
 def test_feeding_the_past_does_not_copy_the_cache(micro_export):
     """Portable graphs get a view of the cache buffer, not a copy."""
     import numpy as np

@@ -1,4 +1,6 @@
-"""Lookahead decoding and prompt lookup: greedy equality, lossless sampling, the packed mask, the pool, configs."""
+"""Lookahead decoding and prompt lookup on exports: greedy equality, lossless sampling, the packed call,
+the pool learning from the window, configs against the export. The window layout, the trie, the n-gram
+pool, find_continuation and config validation alone are in tests/unit/."""
 
 from __future__ import annotations
 
@@ -11,11 +13,8 @@ from scipy.stats import chisquare
 
 from conftest import hf_greedy, run_cli
 from specdeploy.runtime.drafters.base import DecodeState
-from specdeploy.runtime.drafters.lookahead import LookaheadConfig, LookaheadDrafter, trie, window_layout
-from specdeploy.runtime.drafters.ngram_pool import NGramPool
-from specdeploy.runtime.drafters.prompt_lookup import find_continuation
+from specdeploy.runtime.drafters.lookahead import LookaheadConfig, LookaheadDrafter
 from specdeploy.runtime.errors import SpecDeployError
-from specdeploy.runtime.methods import validate_methods
 from specdeploy.runtime.sampling import SamplingParams
 
 # Prompts ending mid-line: the micro target continues them with varied code before it loops.
@@ -205,46 +204,7 @@ def test_packed_rows_equal_sequential_decoding(micro, window, ngram, guesses):
     target.reset()
 
 
-def test_window_layout_is_a_causal_run_per_cell():
-    visible, offsets = window_layout(3, 4)
-    # cell (2, 1) at flat index 7 sees (0, 0..1), (1, 1), (2, 1): positions 0, 1, 2, 3
-    assert np.flatnonzero(visible[7]).tolist() == [0, 1, 4, 7]
-    assert offsets[[0, 1, 4, 7]].tolist() == [0, 1, 2, 3]
-    assert visible.sum(1).tolist() == [1, 2, 3, 2, 3, 4, 3, 4, 5]
-
-
-def test_trie_merges_shared_prefixes():
-    tree, tokens = trie(7, [(1, 2, 3), (1, 2, 4), (5, 6, 7), (1, 2, 3)])
-    assert tokens.tolist() == [7, 1, 2, 3, 4, 5, 6, 7]
-    assert tree.parents == (-1, 0, 1, 2, 2, 0, 5, 6)
-
-
-# ---------------------------------------------------------------- the n-gram pool
-
-
-def test_pool_lru_keys_and_capacity():
-    pool = NGramPool(length=2, capacity=3)
-    for cont in [(1, 2), (3, 4), (5, 6)]:
-        pool.add(9, cont)
-    assert pool.get(9) == [(5, 6), (3, 4), (1, 2)]  # most recent first
-    pool.add(9, (1, 2))  # refreshed: now the most recent, (3, 4) the least
-    pool.add(9, (7, 8))  # full: evicts the least recently used
-    assert pool.get(9) == [(7, 8), (1, 2), (5, 6)]
-    pool.add(4, (1, 2))  # another key has its own slots
-    assert pool.get(4) == [(1, 2)] and len(pool.get(9)) == 3 and len(pool) == 4
-    assert pool.get(123) == [] and 123 not in pool and 9 in pool
-    with pytest.raises(ValueError):
-        pool.add(9, (1, 2, 3))
-
-
-def test_pool_takes_ngrams_keyed_by_first_token():
-    pool = NGramPool(length=2, capacity=2)
-    pool.add_ngrams([1, 2, 3, 1, 2, 4, 1, 5, 6, 1, 2, 3])
-    assert pool.get(1) == [(2, 3), (5, 6)]  # (2, 4) evicted, (2, 3) refreshed last
-    assert pool.get(2) == [(4, 1), (3, 1)]
-    assert pool.get(3) == [(1, 2)] and 6 in pool
-    pool.add_ngrams([1, 2, 3, 8, 9, 10], start=3)
-    assert pool.get(8) == [(9, 10)] and pool.get(2) == [(4, 1), (3, 1)]
+# ---------------------------------------------------------------- the n-gram pool, learning
 
 
 def test_lookahead_seeds_pool_from_prompt_and_learns_from_window(micro):
@@ -268,17 +228,6 @@ def test_lookahead_seeds_pool_from_prompt_and_learns_from_window(micro):
 # ---------------------------------------------------------------- prompt lookup
 
 
-def test_find_continuation_longest_suffix_latest_full_match():
-    t = np.array([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
-    assert find_continuation(t, 2, 3, 1).tolist() == [4, 9]  # suffix (1, 2, 3) first seen at 0
-    assert find_continuation(t, 5, 2, 1).tolist() == [5, 7, 1, 2, 3]  # (2, 3): the latest earlier match
-    assert find_continuation(t, 3, 1, 1).tolist() == [5, 7, 1]  # (3,) latest earlier match
-    assert find_continuation(np.array([5, 1, 1, 1, 1]), 3, 2, 1).tolist() == [1, 1]  # in a run: the longest copy
-    assert find_continuation(np.array([1, 1, 1, 1, 1, 1, 1]), 3, 2, 1).tolist() == [1, 1, 1]
-    assert find_continuation(np.array([1, 2, 8]), 3, 3, 1).tolist() == []
-    assert find_continuation(np.array([4, 2, 5, 2]), 4, 3, 2).tolist() == []  # min_ngram 2: (5, 2) never seen
-
-
 def test_prompt_lookup_k_bounds_each_step(micro):
     from specdeploy.runtime.generate import generate
 
@@ -290,31 +239,7 @@ def test_prompt_lookup_k_bounds_each_step(micro):
     assert lengths[1] <= 2.0 < lengths[4]
 
 
-# ---------------------------------------------------------------- configs and the CLI
-
-
-@pytest.mark.parametrize("params,words", [
-    ({"window": 0}, "lookahead.window must be an integer >= 1"),
-    ({"ngram": 1}, "lookahead.ngram must be an integer >= 2"),
-    ({"guesses": "4"}, "lookahead.guesses must be an integer >= 1"),
-    ({"window": 2.5}, "lookahead.window"),
-    ({"windows": 4}, "unknown lookahead keys ['windows']"),
-])
-def test_bad_lookahead_config(params, words):
-    with pytest.raises(SpecDeployError) as err:
-        validate_methods({"lookahead": params})
-    assert words in str(err.value)
-
-
-@pytest.mark.parametrize("params,words", [
-    ({"k": 0}, "prompt-lookup.k must be an integer >= 1"),
-    ({"max_ngram": 2, "min_ngram": 3}, "min_ngram (3) exceeds max_ngram (2)"),
-    ({"max_n": 2}, "unknown prompt-lookup keys ['max_n']"),
-])
-def test_bad_prompt_lookup_config(params, words):
-    with pytest.raises(SpecDeployError) as err:
-        validate_methods({"prompt-lookup": params})
-    assert words in str(err.value)
+# ---------------------------------------------------------------- configs against the export, the CLI
 
 
 def test_lookahead_too_big_for_max_context_fails_before_export(micro_family, tmp_path):

@@ -1,4 +1,5 @@
-"""Medusa: published heads layout, heads graph, static trees, drafter, tree calibration.
+"""Medusa: published heads layout, heads graph, trees against the export, drafter, tree calibration.
+The static trees alone (published data, buffers, validation) and the tree search are in tests/unit/.
 
 Heads: trained on the micro family (cached in build/family/micro/medusa) and random
 heads in the published layout (.pt and .safetensors). Greedy output must equal
@@ -16,13 +17,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import BUILD, REPO, hf_greedy, run_cli
+from conftest import BUILD, hf_greedy, run_cli
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.sampling import SamplingParams
 from specdeploy.runtime.tree import Tree
 
-# shared/ sits beside the repository root (on a developer's machine and in CI alike).
-PUBLISHED = REPO.parent / "shared" / "reference" / "draft_trees.json"
 PROMPTS = [
     "def foo(x):\n    return",
     "import os\nimport sys\n\n\nclass Config",
@@ -31,15 +30,6 @@ PROMPTS = [
     "for i in range(10):\n    if i %",
 ]
 NEW = 40
-
-
-def published_trees() -> dict[str, list]:
-    if not PUBLISHED.is_file():  # fall back to the copies shipped in configs/trees/
-        names = ["mc_sim_7b_63", "eagle1_mc_sim_7b_63", "zephyr_stage2"] + [
-            f"vicuna_{size}_stage{stage}" for size in ("7b", "13b", "33b") for stage in (1, 2)]
-        return {n: json.loads((REPO / "configs" / "trees" / f"{n}.json").read_text())["paths"] for n in names}
-    data = json.loads(PUBLISHED.read_text())
-    return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
 # ---------------------------------------------------------------- fixtures
@@ -191,54 +181,6 @@ def test_cli_rejects_mismatched_heads_before_writing(micro_family, tmp_path):
 
 
 # ---------------------------------------------------------------- trees
-
-
-@pytest.mark.parametrize("name", sorted(published_trees()))
-def test_published_tree_buffers_are_consistent(name):
-    paths = published_trees()[name]
-    tree = Tree.from_paths(paths)
-    assert tree.size == len(paths) + 1
-    # Each node's rank path, rebuilt from parents and ranks, is exactly one input path.
-    node_path = [()] + [tuple(tree.ranks[j] for j in tree.path_to(i)[1:]) for i in range(1, tree.size)]
-    assert sorted(node_path[1:]) == sorted(map(tuple, paths))
-    for i, p in enumerate(node_path):
-        assert tree.depth[i] == len(p)  # position offset = depth
-        ancestors = {j for j, q in enumerate(node_path) if p[: len(q)] == q}  # root, ancestors, itself
-        assert set(np.flatnonzero(tree.mask[i])) == ancestors
-    leaves = tree.leaf_paths  # Medusa's retrieve indices
-    assert {n for path in leaves for n in path} == set(range(tree.size))
-    for path in leaves:
-        assert path[0] == 0 and all(tree.parents[b] == a for a, b in zip(path, path[1:]))
-        assert not tree.children[path[-1]]
-    assert len(leaves) == sum(1 for i in range(tree.size) if not tree.children[i])
-    padded = tree.padded_mask(tree.size + 3)
-    assert (padded[: tree.size, : tree.size] == tree.mask).all() and padded[tree.size:, tree.size:].trace() == 3
-
-
-def test_named_trees_ship_the_published_data():
-    from specdeploy.runtime.tree_files import resolve_tree, tree_names
-
-    for name, paths in published_trees().items():
-        assert name in tree_names()
-        assert resolve_tree(name)[1] == paths
-    for name in tree_names():
-        Tree.from_paths(resolve_tree(name)[1])  # every shipped tree is valid
-
-
-@pytest.mark.parametrize("tree,needle", [
-    ([[0], [0, 0], [1, 0]], "not prefix-closed"),
-    ([[0], [0]], "listed twice"),
-    ([[0], [-1]], "rank outside"),
-    ([[0], [0, 0], [0, 0, 0]], "deeper than the 2 levels"),
-    ("no_such_tree", "neither a tree file nor a known name"),
-    ([], "non-empty list"),
-])
-def test_malformed_tree_is_one_clear_error(tree, needle):
-    from specdeploy.runtime.drafters.medusa import MedusaConfig
-
-    with pytest.raises(SpecDeployError) as err:
-        MedusaConfig(heads=2, tree=tree)
-    assert needle in str(err.value)
 
 
 def test_tree_larger_than_the_graph_is_one_clear_error(exports):
@@ -405,36 +347,6 @@ def test_sampling_matches_target_distribution(exports):
 
 
 # ---------------------------------------------------------------- tree calibration
-
-
-def test_greedy_tree_construction_is_optimal_per_size():
-    from specdeploy.runtime.tree_tuning import greedy_order
-
-    rates = np.array([[0.5, 0.3, 0.1], [0.7, 0.2, 0.05]])
-    order = greedy_order(rates, 20)
-    universe = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
-    value = lambda p: float(np.prod([rates[d, r] for d, r in enumerate(p)]))  # noqa: E731
-    for n in range(1, len(universe) + 1):
-        prefix = {p for p, _ in order[:n]}
-        assert all(len(p) == 1 or p[:-1] in prefix for p in prefix)  # every prefix is a valid tree
-        best = max(sum(value(p) for p in s) for s in itertools.combinations(universe, n)
-                   if all(len(p) == 1 or p[:-1] in s for p in s))
-        assert sum(value(p) for p in prefix) == pytest.approx(best)
-
-
-def test_choose_tree_trades_acceptance_for_time():
-    from specdeploy.runtime.tree_tuning import TimeModel, choose_tree, empirical_expected_tokens
-
-    rates = np.array([[0.6, 0.2, 0.1, 0.05]] * 4)
-    flat = choose_tree(rates, TimeModel([(1, 1e-3), (64, 1e-3)]), max_nodes=40)
-    steep = choose_tree(rates, TimeModel([(1, 1e-3), (2, 1.3e-3), (64, 30e-3)]), max_nodes=40)
-    assert len(flat.paths) == 40 and 1 <= len(steep.paths) < 8
-    assert flat.expected_tokens > steep.expected_tokens
-    # Noisy timings never make a bigger call cheaper.
-    noisy = TimeModel([(1, 1e-3), (16, 3e-3), (27, 2e-3)])
-    assert noisy.verify(27) >= noisy.verify(16) and noisy.verify(40) >= noisy.verify(27)
-    # Greedy acceptance of recorded steps: the longest tree path along the actual ranks, plus the bonus.
-    assert empirical_expected_tokens([[0], [0, 0], [1]], [(0, 0, 2), (1, 0), (2,), ()]) == pytest.approx((3 + 2 + 1 + 1) / 4)
 
 
 def test_tune_tree_cli_writes_a_usable_tree(medusa_exports, exports, tmp_path):

@@ -52,16 +52,3 @@ def test_static_graph_padding_does_not_change_logits(micro_export):
     np.testing.assert_allclose(a.logits, np.stack(seq), atol=2e-4, rtol=1e-4)
 
 
-def test_tree_builder_rejects_malformed_trees():
-    import pytest
-
-    from specdeploy.runtime.errors import SpecDeployError
-
-    for bad, what in [([[0, 1]], "prefix"), ([[0], [0]], "twice"), ([[-1]], "rank"), ([], "non-empty"), ([["a"]], "integer")]:
-        with pytest.raises(SpecDeployError, match=what):
-            Tree.from_paths(bad)
-    with pytest.raises(SpecDeployError, match="rank"):
-        Tree.from_paths([[0], [5]], max_rank=4)
-    tree = Tree.from_paths([[0], [1], [0, 0]])
-    with pytest.raises(SpecDeployError, match="does not fit"):
-        tree.padded_mask(3)

@@ -1,15 +1,13 @@
 """The graph contract (names per kind and flavor, file names, KV geometry, manifest records) and the
-padding every decoder shares: fast, no export needed."""
+manifest written and read back: no export needed."""
 
 from __future__ import annotations
 
 import types
 
-import numpy as np
 import pytest
 
 from specdeploy.runtime import graph_contract as gc
-from specdeploy.runtime.decoder import StaticCall
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.manifest import load_manifest, sha256_file, write_manifest
 
@@ -111,25 +109,3 @@ def test_manifest_written_is_the_manifest_read(tmp_path):
     (tmp_path / "manifest.json").write_text((tmp_path / "manifest.json").read_text().replace('"decoder"', '"lm"'))
     with pytest.raises(SpecDeployError, match="graphs.target_t1.kind is 'lm'"):
         load_manifest(tmp_path)
-
-
-def test_static_call_pads_rows_that_nothing_sees():
-    call = StaticCall(4)
-    mask = np.array([[1, 0], [1, 1]], bool)
-    feeds = call.fill(np.array([7, 8]), np.array([10, 11]), mask, past_length=10)
-    assert feeds["input_ids"].tolist() == [[7, 8, 0, 0]]
-    assert feeds["position_ids"].tolist() == [[10, 11, 11, 11]]
-    assert feeds["tree_mask"][0].astype(int).tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
-    # Reused: a full call leaves nothing of the last one's padding.
-    full = call.fill(np.arange(4), np.arange(4), np.tril(np.ones((4, 4), bool)), past_length=0)
-    assert full["tree_mask"][0].astype(int).tolist() == np.tril(np.ones((4, 4), int)).tolist()
-
-
-def test_static_call_with_cached_columns_and_row_inputs():
-    """The EAGLE head's shape: the mask also decides D earlier draft rows; features pad with zeros."""
-    call = StaticCall(3)
-    mask = np.array([[1, 0, 1]], bool)  # D = 2 cached columns, then the one new row
-    feeds = call.fill(np.array([5]), np.array([20]), mask, 19, features=np.ones((1, 4), np.float32))
-    assert feeds["tree_mask"].shape == (1, 3, 5)
-    assert feeds["tree_mask"][0].astype(int).tolist() == [[1, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]
-    assert feeds["features"].shape == (1, 3, 4) and feeds["features"][0, 1:].sum() == 0

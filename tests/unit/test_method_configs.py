@@ -1,5 +1,6 @@
-"""The method registry and its typed configs (no model build): the dataclass defaults are the
-shipped defaults, validation is one clear error, unknown keys are rejected uniformly."""
+"""The method registry and its typed configs (runtime/methods.py, runtime/config.py and each
+drafter's config): the dataclass defaults are the shipped defaults, validation is one clear
+error, unknown keys are rejected uniformly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from conftest import run_cli
 from specdeploy.runtime.config import ExportConfig, load_export_config, to_dict, with_overrides
+from specdeploy.runtime.drafters.medusa import MedusaConfig
+from specdeploy.runtime.drafters.suffix import SuffixConfig
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.methods import REGISTRY, build_drafter, known_methods, method_spec, validate_methods
 
@@ -80,6 +83,84 @@ def test_unknown_key_is_rejected_by_every_method(name, key):
 def test_bad_value_is_one_clear_error(name, params, needle):
     with pytest.raises(SpecDeployError) as err:
         method_spec(name).parse(params)
+    assert needle in str(err.value)
+
+
+def test_prefill_chunk_must_be_below_the_context():
+    assert ExportConfig(max_context=500, prefill_chunk=64).prefill_chunk == 64  # not a multiple: fine
+    with pytest.raises(SpecDeployError, match="prefill_chunk 64 must be below max_context 64"):
+        ExportConfig(max_context=64, prefill_chunk=64)
+
+
+@pytest.mark.parametrize("params,words", [
+    ({"window": 0}, "lookahead.window must be an integer >= 1"),
+    ({"ngram": 1}, "lookahead.ngram must be an integer >= 2"),
+    ({"guesses": "4"}, "lookahead.guesses must be an integer >= 1"),
+    ({"window": 2.5}, "lookahead.window"),
+    ({"windows": 4}, "unknown lookahead keys ['windows']"),
+])
+def test_bad_lookahead_config(params, words):
+    with pytest.raises(SpecDeployError) as err:
+        validate_methods({"lookahead": params})
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("params,words", [
+    ({"k": 0}, "prompt-lookup.k must be an integer >= 1"),
+    ({"max_ngram": 2, "min_ngram": 3}, "min_ngram (3) exceeds max_ngram (2)"),
+    ({"max_n": 2}, "unknown prompt-lookup keys ['max_n']"),
+])
+def test_bad_prompt_lookup_config(params, words):
+    with pytest.raises(SpecDeployError) as err:
+        validate_methods({"prompt-lookup": params})
+    assert words in str(err.value)
+
+
+def test_suffix_config_is_validated_like_the_others():
+    spec = method_spec("suffix")
+    config = spec.config()
+    assert config == SuffixConfig() and config.verify_tokens == 15 and config.depth == 22
+    assert spec.parse({"max_nodes": 7}).verify_tokens == 8
+    for params, needle in [({"max_nodes": 0}, "suffix.max_nodes must be an integer >= 1, got 0"),
+                           ({"max_match": "8"}, "suffix.max_match must be an integer >= 1, got '8'"),
+                           ({"cache_tokens": -1}, "suffix.cache_tokens must be an integer >= 0, got -1"),
+                           ({"min_prob": 2}, "suffix.min_prob must be a number in [0, 1], got 2"),
+                           ({"min_prob": True}, "suffix.min_prob must be a number in [0, 1], got True"),
+                           ({"tree": 1}, "config: unknown suffix keys ['tree'] (known: max_nodes, max_match")]:
+        with pytest.raises(SpecDeployError) as err:
+            spec.parse(params)
+        assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"mode": "eagle3"}, "eagle.mode"),
+    ({"top_k": 0}, "eagle.top_k"),
+    ({"depth": "5"}, "eagle.depth"),
+    ({"top_k": 2, "depth": 2, "total_tokens": 7}, "total_tokens 7 exceeds"),
+    ({"mode": "eagle1", "tree": None}, "needs eagle.tree"),
+    ({"tree": "no_such_tree"}, "eagle.tree 'no_such_tree' is neither a tree file nor a known name"),
+    ({"tree": [[0], [0, 0, 0]]}, "not prefix-closed"),
+    ({"topk": 4}, "unknown eagle keys ['topk']"),
+    ({"draft_vocab": -5}, "eagle.draft_vocab"),
+])
+def test_bad_eagle_config(params, needle):
+    base = {"mode": "eagle2", "top_k": 4, "depth": 5, "total_tokens": 16, "tree": "eagle1_mc_sim_7b_63"}
+    with pytest.raises(SpecDeployError) as err:
+        method_spec("eagle").parse({**base, **params})
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("tree,needle", [
+    ([[0], [0, 0], [1, 0]], "not prefix-closed"),
+    ([[0], [0]], "listed twice"),
+    ([[0], [-1]], "rank outside"),
+    ([[0], [0, 0], [0, 0, 0]], "deeper than the 2 levels"),
+    ("no_such_tree", "neither a tree file nor a known name"),
+    ([], "non-empty list"),
+])
+def test_malformed_medusa_tree_is_one_clear_error(tree, needle):
+    with pytest.raises(SpecDeployError) as err:
+        MedusaConfig(heads=2, tree=tree)
     assert needle in str(err.value)
 
 

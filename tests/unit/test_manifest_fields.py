@@ -1,0 +1,118 @@
+"""Every manifest.json field is type- and range-checked before the runtime trusts it
+(runtime/manifest.py, runtime/manifest_fields.py): hostile values in a hand-written manifest are one
+clear single-line error naming the field, and refusing leaves the files as they were.
+(tests/test_integrity.py sends a few of them through LoadedExport on a real export.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdeploy.runtime import graph_contract as gc
+from specdeploy.runtime.errors import SpecDeployError
+from specdeploy.runtime.manifest import load_manifest, sha256_file, write_manifest
+
+
+def _model(name: str, layers: int) -> gc.ModelRecord:
+    return gc.ModelRecord(name, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
+                          vocab_size=100, architecture="LlamaForCausalLM", model_type="llama", source=f"/{name}",
+                          extra={"max_position_embeddings": 512})
+
+
+def write_export(root: Path) -> Path:
+    """A manifest as `specdeploy export` writes one: target and draft graphs, tokenizer, files map,
+    a passed check. Graph files are ModelProtos holding only their ir_version."""
+    graphs = {g.name: g for g in (gc.GraphRecord.new("target_t1", "target", gc.DECODER, 1),
+                                  gc.GraphRecord.new("target_t9", "target", gc.DECODER, 9),
+                                  gc.GraphRecord.new("draft_t1", "draft", gc.DECODER, 1))}
+    for g in graphs.values():
+        (root / g.file).write_bytes(b"\x08\x07")
+    (root / "tokenizer").mkdir()
+    (root / "tokenizer" / "tokenizer.json").write_text("{}")
+    files = {rel: sha256_file(root / rel) for rel in [*(g.file for g in graphs.values()), "tokenizer/tokenizer.json"]}
+    write_manifest(root, dtype="float32", max_context=256, prefill_chunk=9,
+                   models={"target": _model("target", 2), "draft": _model("draft", 1)}, graphs=graphs,
+                   tokenizer={"dir": "tokenizer", "eos_token_ids": [2], "bos_token_id": 1}, methods={}, files=files,
+                   check="passed", exported_in_s=1.5)
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _set(*keys, value=None, drop=False):
+    def change(m):
+        node = m
+        for key in keys[:-1]:
+            node = node[key]
+        if drop:
+            del node[keys[-1]]
+        else:
+            node[keys[-1]] = value
+    return change
+
+
+HOSTILE = {
+    "prefill_chunk_negative": (_set("prefill_chunk", value=-1), "prefill_chunk"),
+    "prefill_chunk_zero": (_set("prefill_chunk", value=0), "prefill_chunk"),
+    "prefill_chunk_text": (_set("prefill_chunk", value="64"), "prefill_chunk must be an integer"),
+    "prefill_chunk_huge": (_set("prefill_chunk", value=10**6), "prefill_chunk"),
+    "max_context_huge": (_set("max_context", value=10**12), "max_context"),
+    "max_context_float": (_set("max_context", value=256.5), "max_context must be an integer"),
+    "max_context_bool": (_set("max_context", value=True), "max_context must be an integer"),
+    "dtype_unknown": (_set("dtype", value="int4"), "dtype"),
+    "dtype_missing": (_set("dtype", drop=True), "'dtype' is missing"),
+    "format_text": (_set("format", value="1"), "unsupported format"),
+    "files_missing": (_set("files", drop=True), "'files' is missing"),
+    "files_empty": (_set("files", value={}), "not in the files map"),
+    "files_list": (_set("files", value=["target_t1.onnx"]), "files must be a JSON object"),
+    "files_bad_digest": (_set("files", "target_t1.onnx", value="abc"), "sha256"),
+    "num_layers_negative": (_set("models", "target", "num_layers", value=-1), "models.target.num_layers"),
+    "num_layers_text": (_set("models", "target", "num_layers", value="2"), "models.target.num_layers"),
+    "vocab_size_huge": (_set("models", "target", "vocab_size", value=10**10), "models.target.vocab_size"),
+    "head_dim_missing": (_set("models", "draft", "head_dim", drop=True), "models.draft.head_dim is missing"),
+    "kv_heads_over_heads": (_set("models", "target", "num_kv_heads", value=64), "num_kv_heads"),
+    "model_extra_negative": (_set("models", "target", "max_position_embeddings", value=-5),
+                             "models.target.max_position_embeddings"),
+    "models_list": (_set("models", value=[]), "models must be a JSON object"),
+    "no_target": (lambda m: m["models"].pop("target") and m["graphs"].clear(), "no 'target' model"),
+    "graph_tokens_huge": (_set("graphs", "target_t1", "tokens", value=10**6), "graphs.target_t1.tokens"),
+    "graph_tokens_negative": (_set("graphs", "target_t1", "tokens", value=-1), "graphs.target_t1.tokens"),
+    "graph_unknown_model": (_set("graphs", "target_t1", "model", value="ghost"), "graphs.target_t1.model"),
+    "graph_kind": (_set("graphs", "target_t1", "kind", value="lm"), "graphs.target_t1.kind"),
+    "graph_file_number": (_set("graphs", "target_t1", "file", value=7), "graphs.target_t1.file"),
+    "graph_name_traversal": (lambda m: m["graphs"].update({"../../x": m["graphs"]["target_t1"]}), "unusable name"),
+    "eos_text": (_set("tokenizer", "eos_token_ids", value="2"), "tokenizer.eos_token_ids"),
+    "eos_negative": (_set("tokenizer", "eos_token_ids", value=[-1]), "tokenizer.eos_token_ids[0]"),
+    "bos_out_of_vocab": (_set("tokenizer", "bos_token_id", value=10**9), "tokenizer.bos_token_id"),
+    "tokenizer_dir_number": (_set("tokenizer", "dir", value=3), "tokenizer.dir"),
+    "methods_list": (_set("methods", value=[]), "methods must be a JSON object"),
+    "check_failed": (_set("check", value="failed"), "did not pass its accuracy check"),
+    "exported_in_nan": (_set("exported_in_s", value=float("nan")), "exported_in_s"),
+}
+
+
+def test_the_hand_written_export_loads(tmp_path):
+    """The baseline each case changes one thing of: it loads, so each error below is that change's."""
+    m = load_manifest(write_export(tmp_path))
+    assert set(m.models) == {"target", "draft"} and list(m.decoder_graphs("target")) == [1, 9]
+    assert m.check == "passed" and m.eos_token_ids == [2] and m.prefill_chunk == 9
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_manifest_value_is_one_clear_error(tmp_path, case):
+    export = write_export(tmp_path)
+    change, needle = HOSTILE[case]
+    path = export / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    before = snapshot(export)
+    with pytest.raises(SpecDeployError) as info:
+        load_manifest(export)
+    message = str(info.value)
+    assert needle in message and "\n" not in message, message
+    assert snapshot(export) == before  # refusing never changes the export

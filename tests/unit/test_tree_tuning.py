@@ -1,0 +1,37 @@
+"""Tree search for `tune-tree` (runtime/tree_tuning.py) on synthetic acceptance rates and timings:
+the greedy construction is optimal per size, and the chosen tree trades acceptance for call time."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from specdeploy.runtime.tree_tuning import TimeModel, choose_tree, empirical_expected_tokens, greedy_order
+
+
+def test_greedy_tree_construction_is_optimal_per_size():
+    rates = np.array([[0.5, 0.3, 0.1], [0.7, 0.2, 0.05]])
+    order = greedy_order(rates, 20)
+    universe = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
+    value = lambda p: float(np.prod([rates[d, r] for d, r in enumerate(p)]))  # noqa: E731
+    for n in range(1, len(universe) + 1):
+        prefix = {p for p, _ in order[:n]}
+        assert all(len(p) == 1 or p[:-1] in prefix for p in prefix)  # every prefix is a valid tree
+        best = max(sum(value(p) for p in s) for s in itertools.combinations(universe, n)
+                   if all(len(p) == 1 or p[:-1] in s for p in s))
+        assert sum(value(p) for p in prefix) == pytest.approx(best)
+
+
+def test_choose_tree_trades_acceptance_for_time():
+    rates = np.array([[0.6, 0.2, 0.1, 0.05]] * 4)
+    flat = choose_tree(rates, TimeModel([(1, 1e-3), (64, 1e-3)]), max_nodes=40)
+    steep = choose_tree(rates, TimeModel([(1, 1e-3), (2, 1.3e-3), (64, 30e-3)]), max_nodes=40)
+    assert len(flat.paths) == 40 and 1 <= len(steep.paths) < 8
+    assert flat.expected_tokens > steep.expected_tokens
+    # Noisy timings never make a bigger call cheaper.
+    noisy = TimeModel([(1, 1e-3), (16, 3e-3), (27, 2e-3)])
+    assert noisy.verify(27) >= noisy.verify(16) and noisy.verify(40) >= noisy.verify(27)
+    # Greedy acceptance of recorded steps: the longest tree path along the actual ranks, plus the bonus.
+    assert empirical_expected_tokens([[0], [0, 0], [1]], [(0, 0, 2), (1, 0), (2,), ()]) == pytest.approx((3 + 2 + 1 + 1) / 4)
