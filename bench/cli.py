@@ -13,14 +13,16 @@ from ..runtime.errors import SpecDeployError
 def add_parser(sub) -> None:
     from .run import ALL_METHODS, PEERS
 
-    b = sub.add_parser("bench", help="benchmark the methods beside HF transformers, optimum and onnxruntime-genai")
-    b.add_argument("out", type=Path, help="export directory")
+    b = sub.add_parser("bench", help="benchmark the methods beside HF transformers, optimum, onnxruntime-genai "
+                                     "and llama.cpp")
+    b.add_argument("out", type=Path, help="export directory (the real default model's, or the toy family's)")
     b.add_argument("--methods", default=",".join(ALL_METHODS),
                    help="comma list; those the export lacks are skipped and reported")
-    b.add_argument("--peers", default=",".join(PEERS), help="comma list of hf,optimum,ortgenai ('none' for none)")
+    b.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {','.join(PEERS)} ('none' for none)")
     b.add_argument("--prompts", type=Path, action="append",
                    help="JSONL prompt file, one {\"prompt\": ...} per line (repeatable; the set is named after the "
-                        "file); default: the shipped code and grounded sets")
+                        "file); default: the shipped chat, code and grounded sets (code and grounded for a model "
+                        "without a chat template)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each set")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); tokens are compared only then")
@@ -32,6 +34,8 @@ def add_parser(sub) -> None:
     b.add_argument("--markdown", type=Path, help="write a BENCHMARKS.md-style report here")
     b.add_argument("--peers-dir", type=Path, help="peer venv and models (default build/peers)")
     b.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
+    b.add_argument("--bandwidth-mib", type=int, default=512,
+                   help="buffer size of the bandwidth measurement (MiB; keep it far past the last-level cache)")
     b.add_argument("--ort-spinning", choices=["default", "off"], default="default",
                    help="'off': idle ONNX Runtime threads sleep instead of spinning, for every system alike")
     b.set_defaults(func=cmd_bench)
@@ -64,7 +68,6 @@ def _command(args) -> str:
 def cmd_bench(args) -> int:
     from ..runtime.methods import known_methods
     from . import peers, report
-    from .prompts import shipped_sets
     from .run import ALL_METHODS, PEERS, BenchOptions, run_bench
 
     for name in ("max_new_tokens", "repeats", "threads", "num_prompts"):
@@ -72,13 +75,13 @@ def cmd_bench(args) -> int:
             raise SpecDeployError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         raise SpecDeployError("--temperature must be >= 0")
-    files = {p.stem: p for p in args.prompts} if args.prompts else shipped_sets()
+    files = {p.stem: p for p in args.prompts} if args.prompts else {}  # {}: the shipped sets for this model
     opts = BenchOptions(
         export=args.out, methods=_list(args.methods, list(dict.fromkeys([*ALL_METHODS, *known_methods()])), "method"),
         peers=_list(args.peers, PEERS, "peer"), prompt_files=files, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
         threads=args.threads, seed=args.seed, peers_dir=args.peers_dir or peers.DEFAULT_PEERS_DIR,
-        measure_bandwidth=not args.no_bandwidth, ort_spinning=args.ort_spinning, command=_command(args))
+        measure_bandwidth=not args.no_bandwidth, bandwidth_mib=args.bandwidth_mib, ort_spinning=args.ort_spinning, command=_command(args))
     result = run_bench(opts)
     plot_path = report.plot(result, args.plot) if args.plot else None
     if args.json:
@@ -93,4 +96,7 @@ def cmd_bench(args) -> int:
         fr = ", ".join(f"{k} {v:.0%}" for k, v in limit.get("ar_fraction", {}).items())
         print(f"AR bandwidth ceiling: {limit['bandwidth_gbs']} GB/s / {limit['weight_bytes'] / 1e6:.1f} MB = "
               f"{limit['ceiling_tokens_per_s']:.0f} tokens/s; our AR reaches {fr or '-'}")
+        if "max_share" in limit:
+            print(f"highest share of the bound: {limit['max_share']:.0%} ({limit['max_share_row']})"
+                  + ("" if limit["holds"] else ": ABOVE 100%, the bound does not hold (bytes or bandwidth wrong)"))
     return 0

@@ -2,7 +2,7 @@
 
 Standalone on purpose: that venv has onnxruntime-genai and transformers>=5, not
 specdeploy, so this imports only `protocol` from its own folder (a script's folder
-is on sys.path). Setup: {"model_dir", "method", "threads", "method_params"}.
+is on sys.path). Setup: {"model_dir", "method", "threads", "method_params", "never_token_id"}.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ class OrtGenai:
         if setup.get("ort_spinning") == "off":  # any other key is passed to ORT as a session config entry
             session["session.intra_op.allow_spinning"] = "0"
         model = {"decoder": {"session_options": session}}
-        # genai has no ignore-EOS switch and wants an in-vocabulary id: the pad id
-        # (never a training target, so never emitted) stands in; a short output shows as a mismatch.
-        model["eos_token_id"] = setup["pad_token_id"]
+        # genai has no ignore-EOS switch and wants an in-vocabulary id: a rare one the orchestrator
+        # picks (bench/run.py never_token_id; not the pad id, which is the EOS in some models) stands
+        # in; should the model emit it, the output is short and shows as a mismatch.
+        model["eos_token_id"] = setup.get("never_token_id", setup["pad_token_id"])
         if method == "draft":
             model["draft"] = {"session_options": session}
         config = og.Config(setup["model_dir"])

@@ -1,11 +1,13 @@
-"""Peer systems' artifacts: the onnxruntime-genai venv and models, the optimum export.
+"""Peer systems' artifacts: the onnxruntime-genai venv and models, the optimum export
+(llama.cpp's venv and GGUF files: bench/llamacpp.py).
 
 onnxruntime-genai's model builder needs transformers >= 5, which our export side
 cannot take, so it gets its own venv (build/peers/ortgenai-venv) and its runner is a
 subprocess there. Models are cached under build/peers/ by a hash of the HF dir's
 config and weights, so a retrained family is rebuilt and an unchanged one is not.
 
-    python -m specdeploy.bench.peers --target DIR [--draft DIR]   # what `make peers` runs
+    python -m specdeploy.bench.peers --export OUT               # what `make peers` runs
+    python -m specdeploy.bench.peers --target DIR [--draft DIR]
 """
 
 from __future__ import annotations
@@ -173,23 +175,63 @@ def _compose_speculative(plain: Path, draft: Path, out: Path) -> None:
 # ----------------------------------------------------------------- make peers
 
 
+def _export_sources(export_dir: Path) -> tuple[Path, Path | None, str]:
+    """(target HF dir, draft HF dir or None, dtype) named by an export's manifest."""
+    try:
+        manifest = json.loads((Path(export_dir) / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {export_dir} is not an export ({exc}); run `make export` first") from None
+    models = manifest.get("models") or {}
+    target = (models.get("target") or {}).get("source")
+    draft = (models.get("draft") or {}).get("source")
+    if not target:
+        raise SystemExit(f"error: {export_dir}/manifest.json names no target source (models.target.source)")
+    return Path(target), Path(draft) if draft else None, manifest.get("dtype", "float32")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Prepare the benchmark peers (venv + models) for one model family.")
-    p.add_argument("--target", type=Path, required=True, help="HF dir of the target")
-    p.add_argument("--draft", type=Path, help="HF dir of the draft")
+    p = argparse.ArgumentParser(description="Prepare the benchmark peers (venvs + models) for one model.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--export", type=Path, help="export dir: its manifest names the target and draft HF dirs")
+    src.add_argument("--target", type=Path, help="HF dir of the target")
+    p.add_argument("--draft", type=Path, help="HF dir of the draft (with --target)")
+    p.add_argument("--dtype", default="float32", help="precision of llama.cpp's GGUF (with --target)")
     p.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR)
+    p.add_argument("--only", help="comma list of ortgenai,optimum,llamacpp (default: all)")
     args = p.parse_args(argv)
+    if args.export:
+        target, draft, dtype = _export_sources(args.export)
+    else:
+        target, draft, dtype = args.target, args.draft, args.dtype
+    only = set((args.only or "ortgenai,optimum,llamacpp").split(","))
     status = {}
-    try:
-        py = ensure_genai_venv(args.peers_dir)
-        dirs = genai_model_dirs(args.target, args.draft, args.peers_dir)
-        status["ortgenai"] = f"ok (onnxruntime-genai {_genai_version(py)}): {', '.join(map(str, dirs.values()))}"
-    except (PeerUnavailable, subprocess.CalledProcessError) as exc:
-        status["ortgenai"] = f"unavailable: {exc}"
-    try:
-        status["optimum"] = f"ok: {optimum_model_dir(args.target, args.peers_dir, build=True)}"
-    except Exception as exc:  # a peer that cannot be prepared is reported, never fatal
-        status["optimum"] = f"unavailable: {type(exc).__name__}: {str(exc)[:300]}"
+    if "ortgenai" in only:
+        try:
+            py = ensure_genai_venv(args.peers_dir)
+            dirs = genai_model_dirs(target, draft, args.peers_dir)
+            status["ortgenai"] = f"ok (onnxruntime-genai {_genai_version(py)}): {', '.join(map(str, dirs.values()))}"
+        except (PeerUnavailable, subprocess.CalledProcessError) as exc:
+            status["ortgenai"] = f"unavailable: {exc}"
+    if "optimum" in only:
+        try:
+            status["optimum"] = f"ok: {optimum_model_dir(target, args.peers_dir, build=True)}"
+        except Exception as exc:  # a peer that cannot be prepared is reported, never fatal
+            status["optimum"] = f"unavailable: {type(exc).__name__}: {str(exc)[:300]}"
+    if "llamacpp" in only:
+        from . import llamacpp
+
+        try:
+            py = llamacpp.ensure_venv(args.peers_dir)
+            files = llamacpp.gguf_files(target, None, args.peers_dir, dtype)
+            if draft is not None:
+                try:
+                    files = llamacpp.gguf_files(target, draft, args.peers_dir, dtype)
+                except (PeerUnavailable, OSError) as exc:
+                    status["llamacpp draft"] = f"unavailable: {exc}"
+            status["llamacpp"] = (f"ok (llama-cpp-python {llamacpp.version(py)}): "
+                                  + ", ".join(f"{k} {v}" for k, v in files.items()))
+        except (PeerUnavailable, subprocess.CalledProcessError, OSError) as exc:
+            status["llamacpp"] = f"unavailable: {exc}"
     for name, line in status.items():
         print(f"{name}: {line}")
     return 0

@@ -77,7 +77,10 @@ def graph_vs_ortgenai(export_dir: Path, peers_dir: Path, threads: int, past: int
     if ours is None:
         raise SpecDeployError(f"{export_dir} has no fused T=1 target graph")
     spec = manifest.models["target"]
-    genai_dir = genai_model_dirs(spec.extra["source"], None, peers_dir, build=False)["plain"]
+    source = getattr(spec, "source", None) or (getattr(spec, "extra", None) or {}).get("source")
+    if not source:
+        raise SpecDeployError(f"{export_dir}/manifest.json names no target source (models.target.source)")
+    genai_dir = genai_model_dirs(source, None, peers_dir, build=False)["plain"]
     if not (genai_dir / "model.onnx").is_file():
         raise SpecDeployError(f"no onnxruntime-genai model at {genai_dir} (run `make peers`)")
     keep = []

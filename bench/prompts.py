@@ -1,9 +1,22 @@
 """The benchmark prompt sets, shipped as JSONL so every machine measures the same text.
 
-They are cut once from train/corpus.py (held-out stdlib functions) and committed:
-the stdlib differs between Python versions, the committed files do not.
+One prompt per line, in one of two forms:
+- `{"prompt": "..."}` (or a bare JSON string): raw text, tokenized as is;
+- `{"chat": "...", "system": "..."}` (system optional): one user turn, rendered through the
+  model's own chat template (runtime/chat_template.py, the renderer `generate --chat` and the
+  server use) with the assistant's turn opened.
 
-    python -m specdeploy.bench.prompts      # regenerate bench/prompts/*.jsonl
+Shipped sets (written once, never tuned on: no method's settings were chosen by them):
+- `chat`: held-out everyday questions (chat template);
+- `code`: the first lines of held-out Python standard library functions, to continue (raw);
+- `grounded`: input-grounded requests, the answer mostly in the prompt: summarize, correct or
+  restructure a given text, or edit / explain a given function (chat template);
+- `grounded-raw`: the toy family's grounded set, which has no chat template: repeat a given
+  function with a variable renamed (raw; cut from train/corpus.py).
+A model with a chat template gets chat, code and grounded; one without gets code and
+grounded-raw (shown as `grounded`).
+
+    python -m specdeploy.bench.prompts      # regenerate the raw sets from train/corpus.py
 """
 
 from __future__ import annotations
@@ -14,12 +27,13 @@ from pathlib import Path
 from ..runtime.errors import SpecDeployError
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
-SETS = ("code", "grounded")  # held-out code continuation; input-grounded (answer mostly in the prompt)
+CHAT_SETS = ("chat", "code", "grounded")  # models with a chat template (the real default model)
+RAW_SETS = ("code", "grounded-raw")  # models without one (the toy family)
 PER_SET = 16
 
 
-def load_prompts(path: str | Path) -> list[str]:
-    """Prompts of one JSONL file: one {"prompt": "..."} object (or JSON string) per line."""
+def load_items(path: str | Path) -> list[dict]:
+    """Prompts of one JSONL file as dicts: {"prompt": str} or {"chat": str, "system": str | None}."""
     path = Path(path)
     if not path.is_file():
         raise SpecDeployError(f"prompt file not found: {path}")
@@ -31,23 +45,73 @@ def load_prompts(path: str | Path) -> list[str]:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SpecDeployError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        text = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(text, str) or not text:
-            raise SpecDeployError(f"{path}:{n}: expected a non-empty string or {{\"prompt\": str}}")
-        out.append(text)
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict):
+            raise SpecDeployError(f"{path}:{n}: expected a string, {{\"prompt\": str}} or {{\"chat\": str}}")
+        if isinstance(item.get("chat"), str) and item["chat"]:
+            system = item.get("system")
+            if system is not None and not isinstance(system, str):
+                raise SpecDeployError(f"{path}:{n}: \"system\" must be a string")
+            out.append({"chat": item["chat"], "system": system})
+        elif isinstance(item.get("prompt"), str) and item["prompt"]:
+            out.append({"prompt": item["prompt"]})
+        else:
+            raise SpecDeployError(f"{path}:{n}: expected a non-empty string, {{\"prompt\": str}} or {{\"chat\": str}}")
     if not out:
         raise SpecDeployError(f"prompt file {path} has no prompts")
     return out
 
 
-def shipped_sets() -> dict[str, Path]:
-    return {name: PROMPT_DIR / f"{name}.jsonl" for name in SETS}
+def load_prompts(path: str | Path) -> list[str]:
+    """The raw texts of a file with no chat items (what profile and tune-tree read)."""
+    items = load_items(path)
+    if any("chat" in item for item in items):
+        raise SpecDeployError(f"{path} has chat prompts: encode them with encode_items()")
+    return [item["prompt"] for item in items]
+
+
+def uses_chat(items: list[dict]) -> bool:
+    return any("chat" in item for item in items)
+
+
+def encode_items(items: list[dict], export) -> list[list[int]]:
+    """Token ids of each prompt, by the export's tokenizer (and its chat template for chat items)."""
+    template = None
+    if uses_chat(items):
+        from ..runtime.chat_template import ChatTemplate
+
+        template = ChatTemplate.from_tokenizer_dir(export.tokenizer.directory)
+        if template is None:
+            raise SpecDeployError("chat prompts need a chat template; this export's tokenizer has none")
+    out = []
+    for item in items:
+        if "chat" in item:
+            from ..runtime.chat_template import chat_messages, encode_rendered
+
+            out.append(encode_rendered(export.tokenizer, template.render(chat_messages(item["chat"], item["system"]))))
+        else:
+            out.append(export.tokenizer.encode(item["prompt"]))
+    return out
+
+
+def has_chat_template(export) -> bool:
+    from ..runtime.chat_template import ChatTemplate
+
+    return ChatTemplate.from_tokenizer_dir(export.tokenizer.directory) is not None
+
+
+def shipped_sets(chat: bool = True) -> dict[str, Path]:
+    """Set name -> file: chat, code, grounded for a chat model; code, grounded (raw) otherwise."""
+    names = CHAT_SETS if chat else RAW_SETS
+    return {name.removesuffix("-raw"): PROMPT_DIR / f"{name}.jsonl" for name in names}
 
 
 def regenerate(per_set: int = PER_SET) -> None:
+    """Rewrite the raw sets (code, grounded-raw) from train/corpus.py; chat and grounded are hand-written."""
     from ..train import corpus  # only here: the corpus walks the stdlib
 
-    texts = {"code": corpus.heldout_prompts(per_set), "grounded": corpus.grounded_prompts(per_set)}
+    texts = {"code": corpus.heldout_prompts(per_set), "grounded-raw": corpus.grounded_prompts(per_set)}
     for name, prompts in texts.items():
         lines = [json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts]
         (PROMPT_DIR / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")

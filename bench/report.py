@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .run import ALL_METHODS, SYSTEMS
+from .run import ALL_METHODS, OTHER_WEIGHTS, SYSTEMS
 
 SYSTEM_NAMES = {"specdeploy": "specdeploy", "hf": "HF transformers", "optimum": "optimum ORT",
-                "ortgenai": "onnxruntime-genai"}
-COLORS = {"specdeploy": "#1f77b4", "hf": "#ff7f0e", "optimum": "#2ca02c", "ortgenai": "#d62728"}
+                "ortgenai": "onnxruntime-genai", "llamacpp": "llama.cpp (same weights)",
+                "llamacpp-q4_1": "llama.cpp Q4_1 (other weights)"}
+COLORS = {"specdeploy": "#1f77b4", "hf": "#ff7f0e", "optimum": "#2ca02c", "ortgenai": "#d62728",
+          "llamacpp": "#9467bd", "llamacpp-q4_1": "#c5b0d5"}
 
 
 def _f(value, fmt: str, missing: str = "-") -> str:
@@ -17,7 +19,14 @@ def _f(value, fmt: str, missing: str = "-") -> str:
 
 
 def _mismatch(r: dict) -> str:
-    return "-" if r["mismatches"] is None else f"{r['mismatches']}/{r['prompts']}"
+    if r["mismatches"] is None:
+        return "-"
+    return f"{r['mismatches']}/{r['prompts']}" + (" (other weights)" if r["system"] in OTHER_WEIGHTS else "")
+
+
+def _share(r: dict) -> str:
+    v = r.get("roofline_share")
+    return "-" if v is None else (f"{v:.0%}" if v <= 1.0 else f"**{v:.0%}**")
 
 
 def _order(rows: list[dict]) -> list[dict]:
@@ -29,20 +38,20 @@ def _order(rows: list[dict]) -> list[dict]:
 
 
 def markdown_table(result: dict) -> str:
-    """One table per prompt set; speedup is over the best AR (any system) of that set."""
+    """One table per prompt set; speedup is over the best AR of that set (any system on the same weights)."""
     out = []
     sets = list(dict.fromkeys(r["prompt_set"] for r in result["results"]))
     for set_name in sets:
         rows = _order([r for r in result["results"] if r["prompt_set"] == set_name])
         out.append(f"**{set_name}** prompts\n")
         out.append("| system | method | tokens/s | ms/token | speedup vs best AR | acceptance length | efficiency "
-                   "| new tokens | peak RSS MB | mismatches |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "| share of bound | new tokens | peak RSS MB | mismatches |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             out.append(f"| {r['system']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} "
                        f"| {_f(r.get('speedup'), '.2f')}x | {_f(r['acceptance_length'], '.2f')} "
-                       f"| {_f(r.get('efficiency'), '.2f')} | {r['new_tokens']} | {r['peak_rss_mb']:.0f} "
-                       f"| {_mismatch(r)} |")
+                       f"| {_f(r.get('efficiency'), '.2f')} | {_share(r)} | {r['new_tokens']} "
+                       f"| {r['peak_rss_mb']:.0f} | {_mismatch(r)} |")
         out.append("")
     if result.get("skipped"):
         out.append("Not run:\n")
@@ -65,7 +74,7 @@ def plot(result: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sets = list(dict.fromkeys(r["prompt_set"] for r in result["results"]))
-    fig, axes = plt.subplots(1, max(1, len(sets)), figsize=(5.2 * max(1, len(sets)), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(sets)), figsize=(5.4 * max(1, len(sets)), 4.0), squeeze=False)
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in result["results"])]
     ceiling = result.get("limit", {}).get("ceiling_tokens_per_s")
     for ax, set_name in zip(axes[0], sets):
@@ -84,13 +93,14 @@ def plot(result: dict, path: str | Path) -> Path:
                 if r.get("speedup") is not None:
                     ax.text(x, r["tokens_per_s"] + top * 0.01, f"{r['speedup']:.1f}x", ha="center", va="bottom",
                             fontsize=7, rotation=90)
-        best_ar = max((r["tokens_per_s"] for r in rows if r["method"] == "ar"), default=None)
+        best_ar = max((r["tokens_per_s"] for r in rows if r["method"] == "ar" and r["system"] not in OTHER_WEIGHTS),
+                      default=None)
         if best_ar:
             ax.axhline(best_ar, color="grey", linestyle="--", linewidth=0.8)
         ymax = top
         if ceiling and ceiling < 1.6 * top:  # only when it fits without squashing the bars
             ax.axhline(ceiling, color="black", linestyle=":", linewidth=0.8)
-            ax.text(-0.45, ceiling, "AR bandwidth ceiling", fontsize=7, va="bottom", ha="left")
+            ax.text(-0.45, ceiling, "AR roofline (same weights)", fontsize=7, va="bottom", ha="left")
             ymax = max(top, ceiling)
         ax.set_xticks(range(len(methods)), methods)
         ax.set_ylim(0, ymax * 1.2)
@@ -103,12 +113,12 @@ def plot(result: dict, path: str | Path) -> Path:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
     meta = result["meta"]
     fig.text(0.5, 0.01, f"{meta['max_new_tokens']} new tokens, {'greedy' if meta['greedy'] else 'sampled'}, "
-             f"{meta['threads']} threads each; bar label: speedup over the best AR; dashed: best AR",
+             f"{meta['threads']} threads each; bar label: speedup over the best AR on the same weights (dashed)",
              ha="center", fontsize=7, color="dimgrey")
-    fig.tight_layout(rect=(0, 0.04, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.86))
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
@@ -124,6 +134,10 @@ def targets(result: dict) -> list[tuple[str, str, bool | None]]:
         if "ar" in ours and g_ar:
             out.append((f"{set_name}: our ar >= onnxruntime-genai ar", f"{ours['ar']:.1f} vs {g_ar:.1f} tok/s",
                         ours["ar"] >= g_ar))
+        l_ar = rows.get(("llamacpp", "ar"))
+        if "ar" in ours and l_ar:
+            out.append((f"{set_name}: our ar >= llama.cpp ar (same weights)", f"{ours['ar']:.1f} vs {l_ar:.1f} tok/s",
+                        ours["ar"] >= l_ar))
         for m, v in ours.items():
             hf = rows.get(("hf", m))
             if hf:
@@ -145,15 +159,18 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               f"- CPU: {mach['cpu']}, {mach['cores']} cores ({mach['usable_cores']} usable), "
               f"last-level cache {mach.get('llc') or '?'}",
               f"- memory: {mach['memory_gib']} GiB",
-              f"- load average (1/5/15 min) at start {_load(mach.get('load_start'))}, at end {_load(mach.get('load_end'))}: "
-              "the cores are shared with whatever else runs, which is why systems are interleaved; compare rows "
+              f"- load average (1/5/15 min) at start {_load(mach.get('load_start'))}, at end {_load(mach.get('load_end'))} "
+              f"on {mach['usable_cores']} cores: the cores are shared with whatever else runs (above "
+              f"{mach['usable_cores']}, processes wait for a core), which is why systems are interleaved; compare rows "
               "within one run rather than across runs",
               f"- {mach['platform']}, Python {mach['python']}",
               "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), ""]
     sets = meta["prompt_sets"]
     lines += ["## Settings", "",
               f"- model: the export at `{meta['export']}` ({_f(limit.get('target_params'), ',d')} target parameters, "
-              f"{limit.get('dtype')}); every peer loads the same target (and draft) HF dirs it was exported from",
+              f"{limit.get('dtype')}); every peer loads the same target (and draft) weights it was exported from: "
+              "HF and optimum the HF dir, onnxruntime-genai its builder's conversion of it, llama.cpp a GGUF of it at "
+              "the same precision; `llamacpp-q4_1` is the original quantized GGUF, other weights",
               "- prompts: " + "; ".join(f"{k}: {v['prompts']} from `{_rel(v['file'], md_path)}` "
                                         f"({min(v['prompt_tokens'])}-{max(v['prompt_tokens'])} tokens)"
                                         for k, v in sets.items()),
@@ -167,36 +184,27 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               "(order rotated); one warm-up generation per process not counted; "
               f"{meta['statistic']}; tokens/s = all new tokens / sum of the per-prompt medians "
               "(prefill included, for every system alike)",
-              f"- mismatches: prompts whose greedy tokens differ from `{meta['reference']}`", ""]
+              f"- mismatches: prompts whose greedy tokens differ from `{meta['reference']}`; speedup vs best AR: "
+              "over the fastest plain decoding on the same weights (the Q4_1 row is not the yardstick)",
+              "- share of bound: the row's target passes per second x bytes one pass reads, over the machine's "
+              "read bandwidth (see below); no row can exceed 100%", ""]
     lines += ["## Results", "", markdown_table(result)]
     if plot_path is not None:
         lines += [f"![tokens/s per method]({_rel(plot_path, md_path)})", ""]
-    lines += ["## The machine's limit", ""]
-    bw = limit.get("bandwidth")
-    if bw and limit.get("ceiling_tokens_per_s"):
-        lines += [f"- memory bandwidth (numpy, {bw['array_mib']} MiB arrays, best of 5): read "
-                  f"{bw.get('read_gbs_1t')} GB/s (1 thread), {bw.get('read_gbs_2t')} GB/s (2 threads); copy "
-                  f"{bw.get('copy_gbs_1t')} / {bw.get('copy_gbs_2t')} GB/s (read + written bytes)",
-                  f"- weight bytes read per AR token = the target's parameter bytes = "
-                  f"{limit['weight_bytes'] / 1e6:.1f} MB",
-                  f"- bandwidth-bound ceiling of AR = {limit['bandwidth_gbs']} GB/s / {limit['weight_bytes'] / 1e6:.1f} MB "
-                  f"= **{limit['ceiling_tokens_per_s']:.0f} tokens/s**",
-                  "- our AR reaches " + ", ".join(f"{v:.0%} of it ({k})" for k, v in limit.get("ar_fraction", {}).items()),
-                  "- efficiency = (speedup over the same system's AR) / acceptance length: the share of the ideal "
-                  "speedup that survives drafting and verification overheads (1.0 = a verify call costs one AR step "
-                  "and drafting is free)", ""]
-    else:
-        lines += ["(bandwidth not measured in this run)", ""]
+    lines += ["## The machine's limit", ""] + limit_lines(limit)
     tgt = targets(result)
     if tgt:
         lines += ["## Targets", "", "| target | measured | met |", "|---|---:|:---:|"]
         lines += [f"| {what} | {num} | {'yes' if ok else '**no**'} |" for what, num, ok in tgt]
         lines.append("")
-    genai = next((r["info"].get("onnxruntime_genai") for r in result["results"]
-                  if r["system"] == "ortgenai" and r.get("info")), None)
-    attn = next((r["info"].get("attn_implementation") for r in result["results"]
-                 if r["system"] == "hf" and r.get("info")), None)
-    ours = next((r["info"] for r in result["results"] if r["system"] == "specdeploy" and r.get("info")), {})
+    info = {}
+    for r in result["results"]:
+        if r.get("info"):
+            info.setdefault(r["system"], r["info"])
+    genai = info.get("ortgenai", {}).get("onnxruntime_genai")
+    attn = info.get("hf", {}).get("attn_implementation")
+    ours = info.get("specdeploy", {})
+    lcpp = info.get("llamacpp") or info.get("llamacpp-q4_1") or {}
     lines += ["## Peers", "",
               f"- specdeploy: {ours.get('graphs', '?')} decoder graphs, ONNX Runtime thread pool "
               f"{ours.get('thread_pool', '?')} (one process-wide pool for all of a process's sessions, or one "
@@ -212,9 +220,89 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               "- onnxruntime-genai: its model builder (fp32, CPU) on the target and draft HF dirs, in its own venv "
               "(`make peers`); plain decoding, `model.draft` speculative decoding with `max_draft_tokens` = our k, and "
               "n-gram decoding with `ngram_size` = our max n-gram and chained lookup on (its docs' advice when "
-              "continuations are shorter than k; off, its acceptance here is ~1.0-1.4). Its EOS is set to the pad id (it has no "
-              "ignore-EOS switch); acceptance length = new tokens / (target passes + plain fallback steps).", ""]
+              "continuations are shorter than k; off, its acceptance here is ~1.0-1.4). It has no ignore-EOS switch: "
+              "its EOS is set to a rare in-vocabulary id (the last one, never a special token); acceptance length = "
+              "new tokens / (target passes + plain fallback steps).",
+              f"- llama.cpp: llama-cpp-python {lcpp.get('llama_cpp_python') or '(not run)'} (llama.cpp compiled by its "
+              "sdist for this CPU, in `build/peers/llamacpp`, `make peers`); `llamacpp` runs a GGUF written from the "
+              "target's HF dir at the export's precision (bench/llamacpp.py `write_gguf`, tokenizer fields from the "
+              "original GGUF), `llamacpp-q4_1` the original Q4_1 GGUF. `Llama.generate` with the bindings' defaults "
+              "(float16 KV cache, no flash attention), greedy, repeat penalty 1, n_threads = n_threads_batch = the "
+              "thread count, a fresh KV cache per run (no prompt-prefix reuse between runs), EOS never stops it; "
+              "prompt lookup is `LlamaPromptLookupDecoding(max_ngram_size` = our max n-gram, `num_pred_tokens` = "
+              "our k); the draft method drives a second `Llama` (the draft's GGUF) through the bindings' "
+              "`LlamaDraftModel` hook, k greedy tokens per step (the bindings ship no model drafter of their own). "
+              "With a drafter the bindings compute logits for every position (`logits_all`), as they require. "
+              "Acceptance length = new tokens / `eval` calls."
+              + (f" CPU features: {lcpp['system_info']}." if lcpp.get("system_info") else ""), ""]
     return "\n".join(lines)
+
+
+def limit_lines(limit: dict) -> list[str]:
+    """The roofline section: bandwidth, bytes per pass per system, the AR ceiling, and whether it held."""
+    bw = limit.get("bandwidth")
+    if not bw or not limit.get("bandwidth_gbs"):
+        return ["(bandwidth not measured in this run)", ""]
+    cpu, wall = bw["cpu_gbs"], bw["wall_gbs"]
+    keys = list(cpu)
+    lines = ["Decoding is memory-bound here: one target pass streams every weight once and does a few FLOPs per "
+             "byte, so the machine's read bandwidth over the bytes one pass reads bounds passes per second, for "
+             "every system alike (speculation gets more tokens per pass, never more passes per second).", "",
+             f"**Read bandwidth** ({bw['array_mib']} MiB float32 buffer, far past the last-level cache; each slice "
+             f"read by its own thread; best of {bw['trials']} trials, measured {bw['measurements']} time(s): before "
+             "the workers start and after they stop):", "",
+             "| clock | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys),
+             "| CPU time (per thread) | " + " | ".join(f"{cpu[k]:.1f}" for k in keys) + " |",
+             "| wall clock | " + " | ".join(f"{wall[k]:.1f}" for k in keys) + " |", "",
+             f"GB/s. sum = numpy's float32 reduction, dot = BLAS sdot, gemv = BLAS sgemv (a decode MatMul's "
+             f"pattern); 1t/2t = threads. The bound is the best CPU-time figure, **{limit['bandwidth_gbs']:.1f} GB/s** "
+             f"({bw.get('read_kernel')}): the rate memory delivers to a running thread. The wall-clock figures are "
+             "lower by the share of the cores other processes held while it ran (the load above), which is why "
+             "they are not the bound: a bound measured by the wall clock on a loaded machine is exceeded as soon "
+             "as the load drops.", "",
+             "**Bytes one target pass reads** (one new token; a pass of T tokens reads the weights once and T "
+             "embedding rows): every weight once; an embedding gather one row, not the table; a tied embedding "
+             "is the LM head too, read whole once, as the head; plus the KV cache the attention reads at the "
+             "set's mean position (prompt + half the new tokens), in the system's KV dtype.", "",
+             "| system | weights read per pass | counted from | AR roofline, weights only |", "|---|---:|---|---:|"]
+    for system, b in limit.get("systems", {}).items():
+        if system == "specdeploy":
+            how = ("our T=1 graph's initializers: the embedding gather one row, the LM head and the rest whole"
+                   if b.get("gathered_bytes") else "our T=1 graph's initializers, each whole")
+        elif system in ("llamacpp", "llamacpp-q4_1"):
+            how = f"the GGUF's tensors ({'tied: token_embd read whole, as the head' if b.get('tied') else 'untied'})"
+        else:
+            how = "the HF dir's safetensors (" + ("tied: embed_tokens read whole, as the head" if b.get("tied")
+                                                   else "embedding gather one row, lm_head whole") + ")"
+        ceiling = limit["bandwidth_gbs"] * 1e9 / b["bytes_per_pass"]
+        lines.append(f"| {system} | {b['bytes_per_pass'] / 1e6:.1f} MB | {how} | {ceiling:.0f} tokens/s |")
+    lines.append("")
+    llc = limit.get("llc_bytes")
+    smallest = min((b["bytes_per_pass"] for b in limit.get("systems", {}).values()), default=None)
+    if llc and smallest is not None and smallest < 4 * llc:
+        lines += [f"These weights ({smallest / 1e6:.1f} MB) are not far past the last-level cache "
+                  f"({llc / 2**20:.0f} MiB): passes may read from the cache faster than from memory, so the bound "
+                  "is loose here and the shares small; it is the real model's bytes that meet memory.", ""]
+    mc = limit.get("mean_context") or {}
+    if mc:
+        lines.append("KV read per pass at the mean position: " + ", ".join(f"{k} {v:.0f} positions" for k, v in mc.items())
+                     + " (a few percent of the weights at most).")
+        lines.append("")
+    if "max_share" in limit:
+        if limit["holds"]:
+            lines.append(f"**The bound holds**: the highest share of it is {limit['max_share']:.0%} "
+                         f"({limit['max_share_row']}); every row's share is in the tables above.")
+        else:
+            lines.append(f"**The bound does not hold**: {limit['max_share_row']} reaches {limit['max_share']:.0%} "
+                         "of it, so the bytes counted per pass or the bandwidth is wrong; read no share as a "
+                         "fraction of the machine's limit.")
+    fr = limit.get("ar_fraction") or {}
+    if fr:
+        lines.append("Our AR reaches " + ", ".join(f"{v:.0%} ({k})" for k, v in fr.items()) + " of it.")
+    lines += ["", "Efficiency = (speedup over the same system's AR) / acceptance length: the share of the ideal "
+              "speedup that survives drafting and verification overheads (1.0 = a verify call costs one AR step "
+              "and drafting is free).", ""]
+    return lines
 
 
 def _load(values) -> str:

@@ -7,6 +7,10 @@ Fairness rules (the README of the numbers, enforced here):
 - interleaved: for each repeat, for each prompt, every system runs (order rotated), so
   drift in the machine's load hits all systems alike;
 - one warm-up generation per worker, not counted; the median over repeats per prompt.
+
+Each row's share of the roofline (bench/roofline.py): its target passes per second times
+the bytes one pass reads, over the machine's read bandwidth, measured before the workers
+start and again after they stop.
 """
 
 from __future__ import annotations
@@ -22,23 +26,30 @@ from pathlib import Path
 
 from ..runtime.config import to_dict
 from ..runtime.errors import SpecDeployError
-from . import machine
+from . import llamacpp, machine, roofline
 from . import peers as peerlib
-from .prompts import load_prompts
+from .prompts import encode_items, has_chat_template, load_items, shipped_sets
 from .workers import Worker, WorkerFailed
 
-SYSTEMS = ("specdeploy", "hf", "optimum", "ortgenai")
-ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup")
+SYSTEMS = ("specdeploy", "hf", "optimum", "ortgenai", "llamacpp", "llamacpp-q4_1")
+ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix")
 PEERS = SYSTEMS[1:]
 # Which of our methods each peer has an equivalent of; the others are reported as skipped.
-PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",), "ortgenai": ("ar", "draft", "prompt-lookup")}
+PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",), "ortgenai": ("ar", "draft", "prompt-lookup"),
+                "llamacpp": ("ar", "draft", "prompt-lookup"), "llamacpp-q4_1": ("ar",)}
 PEER_GAP = {
     "hf": "transformers has no {method} mode",
     "optimum": "ORTModelForCausalLM keeps legacy tuple past_key_values without crop(), which transformers' "
                "assisted / prompt-lookup generation needs; only plain decoding runs",
     "ortgenai": "onnxruntime-genai has no {method} mode",
+    "llamacpp": "llama-cpp-python has no {method} mode",
+    "llamacpp-q4_1": "the original Q4_1 GGUF is other weights, run for llama.cpp's own quantized speed: plain "
+                     "decoding only",
 }
+LLAMACPP = ("llamacpp", "llamacpp-q4_1")
+OTHER_WEIGHTS = ("llamacpp-q4_1",)  # rows on other weights than the export's: tokens differ by design
 SETUP_TIMEOUT_S = 900.0  # first use may export the optimum model
+MIN_FREE_MIB = 2048  # memory (MemAvailable) that must be left before one more worker starts
 RUN_TIMEOUT_S = 600.0
 # Pause between two systems' runs: the previous worker's idle thread pools (ORT, OpenMP) spin
 # for a moment after a run, and must not steal the next system's cores.
@@ -60,6 +71,7 @@ class BenchOptions:
     peers_dir: Path = peerlib.DEFAULT_PEERS_DIR
     work_dir: Path = peerlib.REPO_ROOT / "build" / "bench"
     measure_bandwidth: bool = True
+    bandwidth_mib: int = 512  # the buffer the bandwidth is measured on (far past the last-level cache)
     # "off": ONNX Runtime's idle intra-op threads sleep instead of spinning, for every ORT-based system
     # (and OMP_WAIT_POLICY=PASSIVE for torch); on a shared machine spinning pools fight for the cores.
     ort_spinning: str = "default"
@@ -74,8 +86,7 @@ def _prompt_sets(opts: BenchOptions, export) -> dict[str, list[list[int]]]:
     limit = export.manifest.max_context
     out = {}
     for name, path in opts.prompt_files.items():
-        texts = load_prompts(path)[: opts.num_prompts]
-        ids = [export.tokenizer.encode(t) for t in texts]
+        ids = encode_items(load_items(path)[: opts.num_prompts], export)
         for i, p in enumerate(ids):
             if len(p) + opts.max_new_tokens > limit:
                 raise SpecDeployError(f"prompt {i} of {path} is {len(p)} tokens; with --max-new-tokens "
@@ -123,6 +134,8 @@ def peer_unavailable(peer: str, opts: BenchOptions, export) -> str | None:
         return "optimum is not installed (pip install -e '.[bench]')"
     if peer == "ortgenai" and not peerlib.genai_python(opts.peers_dir).exists():
         return f"no onnxruntime-genai venv at {opts.peers_dir / peerlib.GENAI_VENV}: run `make peers`"
+    if peer in LLAMACPP and not llamacpp.python(opts.peers_dir).exists():
+        return f"no llama-cpp-python venv at {opts.peers_dir / llamacpp.VENV}: run `make peers`"
     return None
 
 
@@ -134,7 +147,19 @@ def _source(export, model: str) -> Path | None:
     return Path(src) if src and Path(src).is_dir() else None
 
 
-def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_dirs: dict) -> dict:
+def never_token_id(export) -> int:
+    """An in-vocabulary id standing in for EOS where a peer has no ignore-EOS switch and wants
+    one in the vocabulary (onnxruntime-genai): the last id, a rare piece, never a special token
+    (a model may well emit its EOS, or the pad id where that is the EOS too). Should the model
+    emit it anyway, that peer stops early and its mismatches column shows it."""
+    specials = {int(export.manifest.tokenizer.get(k) or 0) for k in ("bos_token_id", "pad_token_id")}
+    specials |= {int(t) for t in export.manifest.tokenizer.get("eos_token_ids") or []}
+    vocab = export.manifest.models["target"].vocab_size
+    return next(i for i in range(vocab - 1, -1, -1) if i not in specials)
+
+
+def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_dirs: dict,
+                   ggufs: dict | None = None) -> dict:
     from ..runtime.methods import default_config
 
     config = export.methods.get(method)
@@ -146,9 +171,13 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
              "export": str(opts.export), "target": str(_source(export, "target")),
              "draft": str(_source(export, "draft")), "peers_dir": str(opts.peers_dir),
              "vocab_size": export.manifest.models["target"].vocab_size,
-             "pad_token_id": int(export.manifest.tokenizer.get("pad_token_id") or 0)}
+             "pad_token_id": int(export.manifest.tokenizer.get("pad_token_id") or 0),
+             "never_token_id": never_token_id(export), "n_ctx": export.manifest.max_context}
     if system == "ortgenai":
         setup["model_dir"] = str(genai_dirs["speculative" if method == "draft" else "plain"])
+    if system in LLAMACPP:
+        setup["gguf"] = str(ggufs["original" if system == "llamacpp-q4_1" else "target"])
+        setup["draft_gguf"] = str(ggufs["draft"]) if "draft" in ggufs else None
     return setup
 
 
@@ -162,25 +191,42 @@ def _start_workers(rows, opts, export, skipped) -> list[Worker]:
             for row in [r for r in rows if r[0] == "ortgenai"]:
                 skipped.append({"system": row[0], "method": row[1], "reason": str(exc)})
             rows = [r for r in rows if r[0] != "ortgenai"]
-    launched = []
-    _say(f"starting {len(rows)} workers: {', '.join(f'{s}/{m}' for s, m in rows)}")
+    ggufs: dict = {}
+    if any(s in LLAMACPP for s, _ in rows):
+        target, dtype = _source(export, "target"), export.manifest.dtype
+        try:
+            ggufs = llamacpp.gguf_files(target, None, opts.peers_dir, dtype, progress=_say)
+        except (SpecDeployError, OSError) as exc:
+            for row in [r for r in rows if r[0] in LLAMACPP]:
+                skipped.append({"system": row[0], "method": row[1], "reason": str(exc)})
+            rows = [r for r in rows if r[0] not in LLAMACPP]
+        if ("llamacpp", "draft") in rows:
+            try:
+                ggufs = llamacpp.gguf_files(target, _source(export, "draft"), opts.peers_dir, dtype, progress=_say)
+            except (SpecDeployError, OSError) as exc:
+                skipped.append({"system": "llamacpp", "method": "draft", "reason": str(exc)})
+                rows.remove(("llamacpp", "draft"))
+    workers = []
+    _say(f"starting {len(rows)} workers, one after another: {', '.join(f'{s}/{m}' for s, m in rows)}")
     for system, method in rows:
-        w = Worker(system, method, _setup_message(system, method, opts, export, genai_dirs),
+        # Every worker stays loaded for the whole interleaved run; one more must not push the machine
+        # (shared, and without swap) out of memory: below the floor, the rest are reported, not started.
+        free = machine.available_mib()
+        if free is not None and free < MIN_FREE_MIB:
+            skipped.append({"system": system, "method": method,
+                            "reason": f"not started: {free:.0f} MiB of memory available with {len(workers)} workers "
+                                      f"loaded (floor {MIN_FREE_MIB} MiB); pass fewer --methods or --peers"})
+            _say(f"  {system}/{method} not started: {free:.0f} MiB available")
+            continue
+        w = Worker(system, method, _setup_message(system, method, opts, export, genai_dirs, ggufs),
                    opts.work_dir / "logs" / f"{system}-{method}.log", opts.peers_dir)
         try:
             w.launch()
-            launched.append(w)
+            w.ready(SETUP_TIMEOUT_S)
+            workers.append(w)
         except (WorkerFailed, OSError) as exc:
             w.close()
             skipped.append({"system": system, "method": method, "reason": f"could not start: {exc}"})
-    workers = []
-    for w in launched:  # they load in parallel; collect in order
-        try:
-            w.ready(SETUP_TIMEOUT_S)
-            workers.append(w)
-        except WorkerFailed as exc:
-            w.close()
-            skipped.append({"system": w.system, "method": w.method, "reason": f"could not start: {exc}"})
             _say(f"  {w.label} unavailable: {exc}")
     return workers
 
@@ -189,14 +235,16 @@ def run_bench(opts: BenchOptions) -> dict:
     from ..runtime.loaded_export import LoadedExport
 
     export = LoadedExport(opts.export, backend="ort-cpu")  # manifest + tokenizer; no session is opened here
+    if not opts.prompt_files:
+        opts.prompt_files = shipped_sets(chat=has_chat_template(export))
     sets = _prompt_sets(opts, export)
     rows, skipped = plan(opts, export)
     info = machine.describe()
     info["load_start"] = os.getloadavg()
-    bandwidth = None
+    measurements = []
     if opts.measure_bandwidth:  # before any worker loads, so nothing of ours competes with it
         _say("measuring memory bandwidth ...")
-        bandwidth = machine.measure_bandwidth()
+        measurements += machine.measure_bandwidth(opts.bandwidth_mib)["raw"]
     workers = _start_workers(rows, opts, export, skipped)
     if not workers:
         raise SpecDeployError("no system could run: " + "; ".join(f"{s['system']}/{s['method']}: {s['reason']}"
@@ -214,6 +262,10 @@ def run_bench(opts: BenchOptions) -> dict:
             skipped.append({"system": w.system, "method": w.method, "reason": f"failed while running: {failed[w.label]}"})
     live = [w for w in workers if w.label not in failed]
     info["load_end"] = os.getloadavg()
+    if opts.measure_bandwidth:  # again after every worker stopped: the best of both is the bound
+        _say("measuring memory bandwidth again ...")
+        measurements += machine.measure_bandwidth(opts.bandwidth_mib)["raw"]
+    bandwidth = machine.summarize_bandwidth(measurements) if measurements else None
     return _aggregate(live, sets, samples, skipped, opts, export, info, bandwidth)
 
 
@@ -307,7 +359,7 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                 "mismatch_detail": mismatched, "nondeterministic_prompts": unstable,
                 "info": w.info,
             })
-    limit = _limit(results, export, bandwidth)
+    limit = _limit(results, sets, opts, export, bandwidth)
     _derive(results, limit)
     return {
         "meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": opts.command,
@@ -323,18 +375,76 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
     }
 
 
-def _limit(results, export, bandwidth) -> dict:
-    """Bandwidth-bound ceiling of AR: every target weight is read once per token."""
-    src = _source(export, "target")
-    params = machine.safetensors_param_count(src) if src else None
+def _target_graph(export) -> Path | None:
+    """The T=1 target graph our AR step runs: fused if exported, else portable."""
+    best = None
+    for name, spec in (export.manifest.raw.get("graphs") or {}).items():
+        if spec.get("model") == "target" and spec.get("tokens") == 1 and spec.get("kind", "decoder") == "decoder":
+            if best is None or spec.get("flavor") == "fused":
+                best = spec
+    return Path(export.manifest.root) / best["file"] if best else None
+
+
+def weight_bytes(export, results: list[dict] | None = None) -> dict:
+    """Weight bytes one target pass reads, per system that ran (see bench/roofline.py), and its KV item size."""
+    ran = {r["system"]: r for r in results} if results is not None else None
+    out = {}
+    graph = _target_graph(export)
     dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(export.manifest.dtype, 4)
-    out = {"target_params": params, "dtype": export.manifest.dtype, "bandwidth": bandwidth}
-    if params and bandwidth:
-        out["weight_bytes"] = params * dtype_bytes
-        out["bandwidth_gbs"] = bandwidth["read_gbs"]
-        out["ceiling_tokens_per_s"] = bandwidth["read_gbs"] * 1e9 / out["weight_bytes"]
-        out["ar_fraction"] = {r["prompt_set"]: r["tokens_per_s"] / out["ceiling_tokens_per_s"]
-                              for r in results if r["system"] == "specdeploy" and r["method"] == "ar"}
+    if graph is not None and graph.is_file():
+        out["specdeploy"] = {**roofline.onnx_weight_bytes(graph), "kv_itemsize": dtype_bytes}
+    src = _source(export, "target")
+    if src is not None:
+        hf = roofline.hf_weight_bytes(src)
+        for system in ("hf", "optimum", "ortgenai"):  # float32 loads of the same HF weights
+            out[system] = {**hf, "kv_itemsize": 4}
+    for system in LLAMACPP:  # the GGUF the row ran; llama.cpp keeps its KV cache in float16
+        gguf = ((ran or {}).get(system, {}).get("info") or {}).get("gguf")
+        if gguf and Path(gguf).is_file():
+            b = llamacpp.gguf_weight_bytes(gguf)
+            out[system] = {"bytes_per_pass": b["bytes_per_token"], "tied": b["tied"], "source": gguf,
+                           "kv_itemsize": 2}
+    return {k: v for k, v in out.items() if ran is None or k in ran}
+
+
+def _limit(results, sets, opts, export, bandwidth, per_system: dict | None = None) -> dict:
+    """The roofline: bytes each system's target pass reads, the bandwidth, each row's share of it."""
+    target = export.manifest.models.get("target")
+    if per_system is None:
+        per_system = weight_bytes(export, results) if getattr(export.manifest, "root", None) and target else {}
+    src = _source(export, "target") if target is not None else None
+    out = {"dtype": export.manifest.dtype, "bandwidth": bandwidth, "systems": per_system,
+           "target_params": machine.safetensors_param_count(src) if src else None,
+           "llc_bytes": machine.llc_bytes()}
+    if not bandwidth:
+        return out
+    gbs = out["bandwidth_gbs"] = bandwidth["read_gbs"]
+    out["mean_context"] = {}
+    for name, prompts in sets.items():  # the average position a pass attends over
+        out["mean_context"][name] = (sum(len(p) for p in prompts) / len(prompts) + opts.max_new_tokens / 2) \
+            if prompts else 0.0
+    for r in results:
+        sys_bytes = per_system.get(r["system"])
+        if not sys_bytes or not r.get("target_calls") or not r["seconds"]:
+            continue
+        kv = 0.0 if target is None else roofline.kv_bytes(
+            target.num_layers, target.num_kv_heads, target.head_dim, out["mean_context"].get(r["prompt_set"], 0.0),
+            sys_bytes["kv_itemsize"])
+        r["bytes_per_pass"] = sys_bytes["bytes_per_pass"] + kv
+        r["kv_bytes_per_pass"] = kv
+        r["passes_per_s"] = r["target_calls"] / r["seconds"]
+        r["roofline_share"] = roofline.share(r["passes_per_s"], r["bytes_per_pass"], gbs)
+    ours = per_system.get("specdeploy")
+    if ours:
+        out["weight_bytes"] = ours["bytes_per_pass"]
+        out["ceiling_tokens_per_s"] = gbs * 1e9 / ours["bytes_per_pass"]  # AR, weights only
+        out["ar_fraction"] = {r["prompt_set"]: r["roofline_share"] for r in results
+                              if r["system"] == "specdeploy" and r["method"] == "ar" and "roofline_share" in r}
+    shares = [(r["roofline_share"], f"{r['system']}/{r['method']} ({r['prompt_set']})") for r in results
+              if "roofline_share" in r]
+    if shares:
+        out["max_share"], out["max_share_row"] = max(shares)
+        out["holds"] = out["max_share"] <= 1.0
     return out
 
 
@@ -343,7 +453,8 @@ def _derive(results, limit) -> None:
     for set_name in {r["prompt_set"] for r in results}:
         rows = [r for r in results if r["prompt_set"] == set_name]
         ars = {r["system"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
-        best_ar = max(ars.values(), default=None)
+        # the best AR on the same weights: the quantized Q4_1 row is other weights, never the yardstick
+        best_ar = max((v for k, v in ars.items() if k not in OTHER_WEIGHTS), default=None)
         for r in rows:
             r["speedup"] = r["tokens_per_s"] / best_ar if best_ar else None
             own = ars.get(r["system"])
@@ -351,15 +462,13 @@ def _derive(results, limit) -> None:
             # the share of the ideal speedup (one target call per accepted token) that survives overheads
             al = r["acceptance_length"]
             r["efficiency"] = r["speedup_vs_own_ar"] / al if r["speedup_vs_own_ar"] and al else None
-            ceiling = limit.get("ceiling_tokens_per_s")
-            r["ceiling_fraction"] = r["tokens_per_s"] / ceiling if ceiling else None
 
 
 def _versions() -> dict:
     out = {"python": sys.version.split()[0]}
     from importlib.metadata import PackageNotFoundError, version
 
-    for dist in ("numpy", "onnxruntime", "tokenizers", "torch", "transformers", "optimum", "optimum-onnx"):
+    for dist in ("numpy", "onnxruntime", "tokenizers", "torch", "transformers", "optimum", "optimum-onnx", "gguf"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:

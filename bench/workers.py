@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
-from . import peers
+from . import llamacpp, peers
 
 
 class WorkerFailed(SpecDeployError):
@@ -32,6 +32,9 @@ class Worker:
         if system == "ortgenai":
             self.argv = [str(peers.genai_python(peers_dir)), str(peers.RUNNER)]
             base = peers.genai_env()
+        elif system in ("llamacpp", "llamacpp-q4_1"):
+            self.argv = [str(llamacpp.python(peers_dir)), str(llamacpp.RUNNER)]
+            base = llamacpp.runner_env()
         else:
             self.argv = [sys.executable, "-m", "specdeploy.bench.worker"]
             base = dict(os.environ)

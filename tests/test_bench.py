@@ -1,4 +1,5 @@
-"""`specdeploy bench` on the micro family with tiny settings: schema, table, plot, and token equality."""
+"""`specdeploy bench` on the micro family with tiny settings: schema, table, plot, and token equality;
+the roofline's byte counts; the llama.cpp peer (when its venv exists)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import hf_greedy, run_cli
+from conftest import BUILD, hf_greedy, run_cli
 
 # The micro family repeats newlines after most prompts; this one makes it write varied
 # code, so "the peer's tokens equal ours" compares something.
@@ -25,7 +26,7 @@ def bench(micro_export, tmp_path_factory):
     proc = run_cli("bench", micro_export, "--methods", "ar,prompt-lookup,medusa", "--peers", "hf",
                    "--prompts", prompts, "--num-prompts", "1", "--max-new-tokens", NEW, "--repeats", "1",
                    "--json", tmp / "bench.json", "--plot", tmp / "bench.png", "--markdown", tmp / "BENCH.md",
-                   timeout=120)
+                   "--bandwidth-mib", 128, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return SimpleNamespace(proc=proc, tmp=tmp, result=json.loads((tmp / "bench.json").read_text()))
 
@@ -48,8 +49,13 @@ def test_json_schema(bench):
     assert result["meta"]["threads"] == 2 and result["meta"]["ignore_eos"] is True
     limit = result["limit"]
     assert limit["bandwidth_gbs"] > 0 and limit["weight_bytes"] > 0
+    assert limit["bandwidth"]["measurements"] == 2  # before the workers start and after they stop
     assert limit["ceiling_tokens_per_s"] == pytest.approx(limit["bandwidth_gbs"] * 1e9 / limit["weight_bytes"])
     assert 0 < limit["ar_fraction"]["code"]
+    assert set(limit["systems"]) == {"specdeploy", "hf"}  # only systems that ran
+    for r in rows.values():  # every row's share of the bound: its passes/s x bytes per pass / bandwidth
+        assert r["roofline_share"] == pytest.approx(r["passes_per_s"] * r["bytes_per_pass"] / (limit["bandwidth_gbs"] * 1e9))
+        assert r["roofline_share"] > 0
 
 
 def test_peer_greedy_tokens_equal_ours(bench, micro_family):
@@ -76,6 +82,7 @@ def test_table_plot_and_markdown(bench):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     md = (bench.tmp / "BENCH.md").read_text()
     assert "## Machine" in md and "bench.png" in md and "tokens/s" in md and "## The machine's limit" in md
+    assert "share of bound" in md and "The bound holds" in md
     assert "[" in bench.proc.stderr and "tok/s" in bench.proc.stderr  # progress while it runs
 
 
@@ -88,7 +95,7 @@ def test_mismatch_counting_is_real():
     reply = lambda toks: {"token_ids": toks, "seconds": 0.1, "target_calls": len(toks)}  # noqa: E731
     samples = {("code", "specdeploy/ar", 0): [reply([5, 6, 7, 8])], ("code", "hf/ar", 0): [reply([5, 6, 9, 8])],
                ("code", "specdeploy/ar", 1): [reply([1, 2])], ("code", "hf/ar", 1): [reply([1, 2])]}
-    export = SimpleNamespace(manifest=SimpleNamespace(models={}, raw={}, dtype="float32"), methods={"ar": {}})
+    export = SimpleNamespace(manifest=SimpleNamespace(models={}, raw={}, dtype="float32"), methods={})
     opts = run.BenchOptions(export="x", prompt_files={"code": "code.jsonl"})
     res = run._aggregate(workers, {"code": [[1], [2]]}, samples, [], opts, export, {}, None)
     rows = {r["system"]: r for r in res["results"]}
@@ -98,14 +105,225 @@ def test_mismatch_counting_is_real():
 
 
 def test_shipped_prompt_sets():
-    from specdeploy.bench.prompts import load_prompts, shipped_sets
+    from specdeploy.bench.prompts import load_items, load_prompts, shipped_sets
 
-    sets = shipped_sets()
-    assert set(sets) == {"code", "grounded"}
-    for name, path in sets.items():
-        prompts = load_prompts(path)
-        assert len(prompts) >= 8 and len(set(prompts)) == len(prompts)
-    assert all(p.startswith("# Original:") for p in load_prompts(sets["grounded"]))
+    chat, raw = shipped_sets(chat=True), shipped_sets(chat=False)
+    assert set(chat) == {"chat", "code", "grounded"} and set(raw) == {"code", "grounded"}
+    for path in {*chat.values(), *raw.values()}:
+        items = load_items(path)
+        assert len(items) >= 8 and len({json.dumps(i) for i in items}) == len(items)
+    assert all("chat" in i for i in load_items(chat["chat"]) + load_items(chat["grounded"]))
+    assert all(p.startswith("# Original:") for p in load_prompts(raw["grounded"]))
+    assert chat["code"] == raw["code"] and all("prompt" in i for i in load_items(chat["code"]))
+
+
+SMOLLM2 = BUILD / "models" / "smollm2-135m-instruct"
+SMOLLM2_4L = BUILD / "models" / "smollm2-135m-instruct-4l"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="build/models/smollm2-135m-instruct absent (make model)")
+def test_chat_prompts_go_through_the_chat_template():
+    from specdeploy.bench.prompts import encode_items
+    from specdeploy.runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
+    from specdeploy.runtime.tokenizer import TextTokenizer
+
+    export = SimpleNamespace(tokenizer=TextTokenizer(SMOLLM2))
+    items = [{"chat": "Why is the sky blue?", "system": None}, {"prompt": "def f(x):"}]
+    ids = encode_items(items, export)
+    rendered = ChatTemplate.from_tokenizer_dir(SMOLLM2).render(chat_messages("Why is the sky blue?"))
+    assert rendered.startswith("<|im_start|>system") and rendered.endswith("<|im_start|>assistant\n")
+    assert ids[0] == encode_rendered(export.tokenizer, rendered)
+    assert ids[1] == export.tokenizer.encode("def f(x):")
+
+
+def test_chat_prompts_without_a_template_are_refused(micro_family):
+    from specdeploy.bench.prompts import encode_items
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.tokenizer import TextTokenizer
+
+    export = SimpleNamespace(tokenizer=TextTokenizer(micro_family / "tokenizer"))
+    with pytest.raises(SpecDeployError, match="chat template"):
+        encode_items([{"chat": "hello", "system": None}], export)
+
+
+# ----------------------------------------------------------------- the roofline
+
+
+def _onnx_lm(path, vocab: int, hidden: int, tied: bool):
+    """embed -> one hidden MatMul -> LM head; tied: the head is the embedding, transposed."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    embed = numpy_helper.from_array(rng.standard_normal((vocab, hidden)).astype(np.float32), "embed")
+    w = numpy_helper.from_array(rng.standard_normal((hidden, hidden)).astype(np.float32), "w")
+    inits, nodes = [embed, w], [helper.make_node("Gather", ["embed", "ids"], ["x"]),
+                                helper.make_node("MatMul", ["x", "w"], ["h"])]
+    if tied:
+        nodes += [helper.make_node("Transpose", ["embed"], ["head"], perm=[1, 0])]
+    else:
+        inits.append(numpy_helper.from_array(rng.standard_normal((hidden, vocab)).astype(np.float32), "head"))
+    nodes.append(helper.make_node("MatMul", ["h", "head"], ["logits"]))
+    graph = helper.make_graph(nodes, "lm", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, vocab])], inits)
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+def test_roofline_counts_a_tied_embedding_once(tmp_path):
+    """Bytes per pass: every weight once; the gather one row per token; a tied embedding whole, once."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from specdeploy.bench import roofline
+
+    vocab, hidden = 1000, 64
+    table, layer, row = vocab * hidden * 4, hidden * hidden * 4, hidden * 4
+    tied = roofline.onnx_weight_bytes(_onnx_lm(tmp_path / "tied.onnx", vocab, hidden, tied=True))
+    untied = roofline.onnx_weight_bytes(_onnx_lm(tmp_path / "untied.onnx", vocab, hidden, tied=False))
+    assert tied["bytes_per_pass"] == table + layer  # the embedding read whole once, as the head; no extra row
+    assert untied["bytes_per_pass"] == row + layer + table  # one gathered row + the separate head whole
+    assert roofline.onnx_weight_bytes(tmp_path / "untied.onnx", tokens=5)["bytes_per_pass"] == 5 * row + layer + table
+
+    for name, tie in (("tied", True), ("untied", False)):  # the same count from a Hugging Face dir
+        d = tmp_path / f"hf-{name}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"tie_word_embeddings": tie}))
+        tensors = {"model.embed_tokens.weight": np.zeros((vocab, hidden), np.float32),
+                   "model.layers.0.w": np.zeros((hidden, hidden), np.float32)}
+        if not tie:
+            tensors["lm_head.weight"] = np.zeros((vocab, hidden), np.float32)
+        save_file(tensors, str(d / "model.safetensors"))
+    assert roofline.hf_weight_bytes(tmp_path / "hf-tied")["bytes_per_pass"] == table + layer
+    assert roofline.hf_weight_bytes(tmp_path / "hf-untied")["bytes_per_pass"] == row + layer + table
+
+
+def test_roofline_counts_gguf_tensors(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from specdeploy.bench.llamacpp import gguf_weight_bytes
+
+    vocab, hidden = 1000, 64
+    for name, tie in (("tied", True), ("untied", False)):
+        w = GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        w.add_tensor("token_embd.weight", np.zeros((vocab, hidden), np.float32))
+        w.add_tensor("blk.0.ffn_up.weight", np.zeros((hidden, hidden), np.float32))
+        if not tie:
+            w.add_tensor("output.weight", np.zeros((vocab, hidden), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    table, layer, row = vocab * hidden * 4, hidden * hidden * 4, hidden * 4
+    assert gguf_weight_bytes(tmp_path / "tied.gguf")["bytes_per_token"] == table + layer
+    assert gguf_weight_bytes(tmp_path / "untied.gguf")["bytes_per_token"] == row + layer + table
+
+
+def test_roofline_shares_and_the_bound_check():
+    """share = passes/s x bytes per pass / bandwidth; a row above 100% says the bound does not hold."""
+    from specdeploy.bench import run
+
+    target = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4)
+    export = SimpleNamespace(manifest=SimpleNamespace(models={"target": target}, raw={}, dtype="float32"))
+    opts = run.BenchOptions(export="x", max_new_tokens=10)
+    bandwidth = {"read_gbs": 10.0}
+    rows = [{"prompt_set": "code", "system": "specdeploy", "method": "ar", "target_calls": 100, "seconds": 1.0},
+            {"prompt_set": "code", "system": "hf", "method": "prompt-lookup", "target_calls": 30, "seconds": 1.0}]
+    per_system = {"specdeploy": {"bytes_per_pass": 50e6, "kv_itemsize": 4}, "hf": {"bytes_per_pass": 50e6, "kv_itemsize": 4}}
+    limit = run._limit(rows, {"code": [[1] * 20]}, opts, export, bandwidth, per_system)
+    kv = 2 * 2 * 1 * 4 * (20 + 5) * 4  # K and V, 2 layers, mean position 20 + 10/2, float32
+    assert rows[0]["kv_bytes_per_pass"] == kv
+    assert rows[0]["roofline_share"] == pytest.approx(100 * (50e6 + kv) / 10e9)
+    assert rows[1]["roofline_share"] == pytest.approx(30 * (50e6 + kv) / 10e9)
+    assert limit["holds"] and limit["max_share_row"] == "specdeploy/ar (code)"
+    rows[1]["target_calls"] = 300  # 300 passes/s x 50 MB = 15 GB/s > 10 GB/s: impossible
+    limit = run._limit(rows, {"code": [[1] * 20]}, opts, export, bandwidth, per_system)
+    assert not limit["holds"] and limit["max_share"] > 1
+
+
+def test_bandwidth_is_measured_on_cpu_time_and_summarized():
+    from specdeploy.bench import machine
+
+    a = {"array_mib": 64, "trials": 2, "wall_gbs": {"sum/1t": 5.0}, "cpu_gbs": {"sum/1t": 20.0, "dot/2t": 30.0}}
+    b = {"array_mib": 64, "trials": 2, "wall_gbs": {"sum/1t": 7.0}, "cpu_gbs": {"sum/1t": 25.0, "dot/2t": 28.0}}
+    s = machine.summarize_bandwidth([a, b])
+    assert s["read_gbs"] == 30.0 and s["read_kernel"] == "dot/2t" and s["wall_gbs"]["sum/1t"] == 7.0
+    live = machine._bandwidth_here(64, (1,), 1)  # the measurement itself, small
+    assert set(live["cpu_gbs"]) == {"sum/1t", "dot/1t", "gemv/1t"}
+    assert all(live["cpu_gbs"][k] >= live["wall_gbs"][k] * 0.5 for k in live["cpu_gbs"])
+
+
+def test_rope_rows_turn_hf_rotate_half_into_llamacpp_pairs():
+    """A q/k projection permuted by _rope_rows, roped as llama.cpp does (adjacent pairs), equals
+    HF's rotate-half rope of the unpermuted projection, permuted the same way."""
+    import numpy as np
+
+    from specdeploy.bench.llamacpp import _rope_rows
+
+    heads, d, hidden, pos = 3, 8, 12, 5
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((heads * d, hidden)), rng.standard_normal(hidden)
+    theta = pos * 10000.0 ** (-np.arange(d // 2) * 2 / d)
+    q = (w @ x).reshape(heads, d)
+    cos, sin = np.cos(np.concatenate([theta, theta])), np.sin(np.concatenate([theta, theta]))
+    hf = q * cos + np.concatenate([-q[:, d // 2:], q[:, : d // 2]], axis=1) * sin
+    p = (_rope_rows(w, heads) @ x).reshape(heads, d // 2, 2)
+    a, b = p[..., 0], p[..., 1]
+    ours = np.stack([a * np.cos(theta) - b * np.sin(theta), a * np.sin(theta) + b * np.cos(theta)], -1)
+    assert np.allclose(ours.reshape(heads, d), _rope_rows(hf.reshape(heads * d, 1), heads).reshape(heads, d))
+
+
+# ----------------------------------------------------------------- the llama.cpp peer
+
+
+def _llamacpp_ready() -> str | None:
+    from specdeploy.bench import llamacpp
+    from specdeploy.bench.peers import DEFAULT_PEERS_DIR
+
+    py = llamacpp.python(DEFAULT_PEERS_DIR)
+    if not py.exists() or not llamacpp.version(py):
+        return f"no llama-cpp-python venv at {DEFAULT_PEERS_DIR / llamacpp.VENV} (make peers builds it)"
+    if not (SMOLLM2_4L / "config.json").is_file():
+        return "build/models/smollm2-135m-instruct-4l absent (the tests of test_real_model.py convert it)"
+    return None
+
+
+@pytest.mark.skipif(_llamacpp_ready() is not None, reason=str(_llamacpp_ready()))
+def test_llamacpp_worker_greedy_equals_hf(tmp_path):
+    """The llama.cpp worker on an F32 GGUF written from the 4-layer SmolLM2: greedy tokens equal HF's,
+    for ar, prompt lookup and the draft-model hook, and its eval calls are counted."""
+    from specdeploy.bench import llamacpp
+    from specdeploy.bench.peers import DEFAULT_PEERS_DIR
+    from specdeploy.bench.workers import Worker
+    from specdeploy.runtime.tokenizer import TextTokenizer
+
+    files = llamacpp.gguf_files(SMOLLM2_4L, None, DEFAULT_PEERS_DIR, "float32", progress=lambda m: None)
+    ids = TextTokenizer(SMOLLM2_4L).encode("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+                                           "def fib2(n):\n")
+    new = 16
+    want = hf_greedy(SMOLLM2_4L, ids, new)
+    for method in ("ar", "prompt-lookup", "draft"):  # draft: the model drafts for itself, so all is accepted
+        setup = {"system": "llamacpp", "method": method, "threads": 2, "n_ctx": 256, "gguf": str(files["target"]),
+                 "draft_gguf": str(files["target"]), "method_params": {"k": 6, "max_ngram": 3}}
+        w = Worker("llamacpp", method, setup, tmp_path / f"{method}.log", DEFAULT_PEERS_DIR)
+        try:
+            w.launch()
+            w.ready(120)
+            reply = w.call({"op": "run", "prompt_ids": ids, "max_new_tokens": new, "temperature": 0.0}, 120)
+            again = w.call({"op": "run", "prompt_ids": ids, "max_new_tokens": new, "temperature": 0.0}, 120)
+        finally:
+            w.close()
+        assert reply["token_ids"] == want, method
+        assert again["token_ids"] == want and again["target_calls"] == reply["target_calls"]  # no cached prefix
+        if method == "ar":
+            assert reply["target_calls"] == new  # the prompt's eval, then one per token after the first
+        elif method == "draft":
+            assert reply["target_calls"] <= 1 + -(-(new - 1) // 7)  # prompt, then k + 1 tokens a pass
+        else:
+            assert reply["target_calls"] < new  # the function repeats: lookup drafts get accepted
+        assert w.info["llama_cpp_python"]
 
 
 def test_profile_reports_stage_times_and_hot_functions(micro_export):
