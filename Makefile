@@ -1,6 +1,7 @@
 # specdeploy: everything a fresh machine needs is here.
 #   make export   set up, build the embedded model family (cached), export, check, demo
-#   make test     set up and run the test suite
+#   make test     set up and run the test suite (unit, then integration)
+#   make test-unit  the unit tests alone (tests/unit: no model build, no torch; seconds)
 PY ?= python3
 # Idle OpenMP threads sleep instead of spinning: on 2 shared cores spinning made
 # 2-thread torch training 3-5x slower (measured).
@@ -66,8 +67,15 @@ demo: setup
 	    | tail -n 1 | $(VPY) -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"acceptance length {s['acceptance_length']:.2f}  {s['tokens_per_s']:.1f} tokens/s\")"; \
 	done
 
-test: setup
-	$(VPY) -m pytest -q tests
+# Unit tests (tests/unit): pure Python and numpy on synthetic inputs, no model build, no export, no
+# torch (tests/unit/conftest.py enforces it). Integration tests (the rest of tests/) build the micro
+# model family and its exports (cached in build/). `make test` runs both, the unit tests first.
+.PHONY: test-unit
+test-unit: setup
+	$(VPY) -m pytest -q tests/unit
+
+test: test-unit
+	$(VPY) -m pytest -q tests --ignore=tests/unit
 
 # Benchmark peers: onnxruntime-genai in its own venv (its model builder needs transformers>=5),
 # its models and optimum's export of the target, all cached under build/peers/.

@@ -1,29 +1,24 @@
-"""TensorRT side without TensorRT: lint, profiles, engine bookkeeping, skip lines, backend errors,
-and the device-resident decoders' binding logic (driven on host memory through ONNX Runtime)."""
+"""TensorRT side without TensorRT, on the micro export: lint, profiles, engine bookkeeping, skip lines,
+backend errors, and the device-resident decoders' binding logic (driven on host memory through ONNX
+Runtime). The lint on hand-built graphs, profiles from shapes and row runs: tests/unit/."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import types
 
 import numpy as np
 import onnx
 import pytest
-from conftest import REPO, run_cli
-from onnx import TensorProto as TP
-from onnx import helper as oh
+from conftest import run_cli
 
 from specdeploy.engines import lint
 from specdeploy.engines.engine_manifest import engine_status, graph_sources, make_record, save_engines
-from specdeploy.runtime.backends.device_kv import row_runs
 from specdeploy.runtime.backends.device_memory import HostMemory
 from specdeploy.runtime.backends.engine_records import engine_rel, file_digests, load_engines, stale_reasons
 from specdeploy.runtime.backends.ort_decoder import OrtDecoder
 from specdeploy.runtime.backends.trt import unavailable_reason
-from specdeploy.runtime.backends.trt_profiles import NoProfile, graph_profile, inputs_profile, profile_json
+from specdeploy.runtime.backends.trt_profiles import graph_profile, profile_json
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.manifest import load_manifest
 
@@ -31,56 +26,6 @@ NO_TRT = unavailable_reason() is not None
 
 
 # -- lint ---------------------------------------------------------------------------------------
-
-def _planted_model(path):
-    """A graph with ops TensorRT's parser rejects, next to ops it takes."""
-    nodes = [
-        oh.make_node("Relu", ["x"], ["r"], name="fine_relu"),
-        oh.make_node("FancyGelu", ["r"], ["g"], name="plugin_op", domain="com.acme"),
-        oh.make_node("Unique", ["x"], ["u"], name="unique_op"),
-        oh.make_node("MatMul", ["a", "b"], ["c"], name="int_matmul"),
-        oh.make_node("Slice", ["x", "st", "en", "axes_in"], ["s"], name="dynamic_axes_slice"),
-    ]
-    graph = oh.make_graph(
-        nodes, "planted",
-        [oh.make_tensor_value_info("x", TP.FLOAT, [4]), oh.make_tensor_value_info("a", TP.INT32, [2, 2]),
-         oh.make_tensor_value_info("b", TP.INT32, [2, 2]), oh.make_tensor_value_info("axes_in", TP.INT64, [1])],
-        [oh.make_tensor_value_info(n, t, None) for n, t in (("g", TP.FLOAT), ("u", TP.FLOAT), ("c", TP.INT32),
-                                                             ("s", TP.FLOAT))],
-        initializer=[oh.make_tensor("st", TP.INT64, [1], [0]), oh.make_tensor("en", TP.INT64, [1], [2])])
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.acme", 1)])
-    onnx.save(model, str(path))
-    return path
-
-
-def test_lint_names_each_planted_unsupported_op(tmp_path, capsys):
-    path = _planted_model(tmp_path / "planted.onnx")
-    findings, nodes = lint.lint_file(path)
-    by_node = {f.node: f for f in findings}
-    assert nodes == 5
-    assert set(by_node) == {"plugin_op", "unique_op", "int_matmul", "dynamic_axes_slice"}
-    assert "com.acme" in by_node["plugin_op"].reason
-    assert "not supported" in by_node["unique_op"].reason
-    assert "INT32" in by_node["int_matmul"].reason
-    # Slice axes must be an initializer in TensorRT 10.0; the 10.15 matrix dropped that restriction.
-    assert by_node["dynamic_axes_slice"].versions == ("10.0",)
-    assert lint.cli_report(path) == 4
-    out = capsys.readouterr().out
-    assert out.startswith("FAIL trt-lint planted: 4 unsupported")
-    for name in ("plugin_op", "unique_op", "int_matmul", "dynamic_axes_slice"):
-        assert f"'{name}'" in out
-
-
-def test_lint_rejects_op_missing_from_matrix_and_bad_opset(tmp_path):
-    node = oh.make_node("NotAnOnnxOp", ["x"], ["y"], name="mystery")
-    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info("x", TP.FLOAT, [1])],
-                          [oh.make_tensor_value_info("y", TP.FLOAT, [1])])
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 8)])
-    findings, _ = lint.lint_model(model, "g")
-    reasons = {f.node: f.reason for f in findings}
-    assert "not in the TensorRT operator matrix" in reasons["mystery"]
-    assert "opset 8" in reasons["(model)"]
-
 
 def test_lint_passes_exported_micro_graphs(micro_export, capsys):
     manifest = load_manifest(micro_export, verify_checksums=False)
@@ -93,15 +38,6 @@ def test_lint_passes_exported_micro_graphs(micro_export, capsys):
     assert lint.cli_report(micro_export) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines and all(line.startswith("ok   trt-lint ") for line in lines)
-
-
-def test_support_matrix_names_its_source():
-    data = json.loads(lint.SUPPORT_FILE.read_text())
-    assert "onnx/onnx-tensorrt" in data["source"]["repository"] and "operators.md" in data["source"]["file"]
-    m = lint.SupportMatrix.load()
-    assert m.entry("RMSNormalization", "10.0")["supported"] is False
-    assert m.entry("RMSNormalization", "10.15")["supported"] is True
-    assert m.entry("RMSNormalization", "11")["supported"] is True
 
 
 # -- profiles ------------------------------------------------------------------------------------
@@ -132,14 +68,6 @@ def test_profile_cross_checks_network_inputs(micro_export):
         graph_profile(m, "draft_t1", {**good, "extra": (1,)})
     with pytest.raises(SpecDeployError, match="input_ids"):
         graph_profile(m, "draft_t1", {**good, "input_ids": (1, 3)})
-
-
-def test_inputs_profile_only_bounds_the_past():
-    prof = inputs_profile({"hidden": (1, 4, 8), "past_key.0": (1, -1, 2, 4)}, tokens=4, max_context=64)
-    assert prof["hidden"].min == prof["hidden"].max == (1, 4, 8)
-    assert prof["past_key.0"].min == (1, 0, 2, 4) and prof["past_key.0"].max == (1, 60, 2, 4)
-    with pytest.raises(NoProfile, match="tree_mask"):
-        inputs_profile({"tree_mask": (1, 4, "mask_len")}, tokens=4, max_context=64)
 
 
 # -- engine manifest and staleness ------------------------------------------------------------------
@@ -244,25 +172,7 @@ def test_unavailable_backend_is_one_clear_error(micro_export, backend):
     assert ("TensorRT" if backend == "trt" else "CUDAExecutionProvider") in lines[0]
 
 
-def test_gpu_modules_import_without_tensorrt_or_torch():
-    code = ("import sys\n"
-            "import specdeploy.runtime.backends.trt, specdeploy.runtime.backends.ort_bound\n"
-            "import specdeploy.runtime.backends.device_memory, specdeploy.runtime.backends.trt_profiles\n"
-            "import specdeploy.engines.builder, specdeploy.engines.trt_check, specdeploy.engines.lint\n"
-            "import specdeploy.engines.engine_manifest\n"
-            "assert 'tensorrt' not in sys.modules, 'tensorrt imported at module load'\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-
-
 # -- device-resident decoders, on host memory -------------------------------------------------------
-
-def test_row_runs_groups_consecutive_rows():
-    assert row_runs([0, 1, 2]) == [(0, 0, 3)]
-    assert row_runs([0, 2, 3, 5]) == [(0, 0, 1), (2, 1, 2), (5, 3, 1)]
-    assert row_runs([]) == []
-
 
 TREE_MASK = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
 TREE_DEPTH = np.array([0, 1, 1, 2, 2])
