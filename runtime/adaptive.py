@@ -26,13 +26,14 @@ and still calls the drafter's `update`, as near the context end. The decision de
 only on committed steps (their tokens and timings), never on the step's own random
 draws, and either kind of step is lossless given the past: sampling stays exact.
 
-What a loaded export measured (`Memory`: both step times, what a method's speculative
-steps yielded) seeds its next request as a prior worth a few steps, which the request's
-own steps soon outweigh; the mode and the backoff carry on as they were, so a method
+What a loaded export measured (`Memory`) carries from request to request: both step
+times, as a prior worth a few steps that the request's own steps soon outweigh, and
+where the policy stood (mode, backoff, steps left before the next probe), so a method
 that kept losing starts the next request plain and probes when its backoff runs out,
 counting steps across requests, instead of paying for speculative steps (and the
-drafter's catch-up on the prompt) in every request. One probe at its first drafting
-step is every request's own: a new prompt may be one the answer copies.
+drafter's catch-up on the prompt) in every request. Acceptance is each request's own
+(prompts differ), and so is one probe at its first drafting step: a new prompt may be
+one the answer copies.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 # the average past break-even at once.
 ALPHA = 0.1
 PRIOR_WEIGHT = 2  # samples an earlier request's average counts for in a new request
+MIN_SAMPLES = 3  # samples before an average's spread is known (one or two equal ones say nothing)
 # Timing noise only slows steps down (another process, a cold cache): a step timed over STALL x
 # the average counts as STALL x, and one under 1/STALL x shows the average holds stalls.
 STALL = 2.0
@@ -87,8 +89,9 @@ class Average:
 
     @property
     def stderr(self) -> float:
-        """Standard error of the average (sd * sqrt(weight): exact for a mean, conservative for the EMA)."""
-        return math.sqrt(self.var * self._weight())
+        """Standard error of the average (sd * sqrt(weight): exact for a mean, conservative for the
+        EMA); unknown (infinite) below MIN_SAMPLES samples."""
+        return math.sqrt(self.var * self._weight()) if self.count >= MIN_SAMPLES else math.inf
 
     def prior(self) -> "Average":
         """This average as the start of a new one, worth PRIOR_WEIGHT samples."""
@@ -97,7 +100,8 @@ class Average:
 
 @dataclass
 class Speculated:
-    """A method config's speculative steps (seconds, tokens) and where its policy stood."""
+    """A method config's speculative steps (seconds, tokens) and where its policy stood
+    (a new request takes the seconds as a prior, and starts its own tokens)."""
 
     seconds: Average = field(default_factory=Average)
     tokens: Average = field(default_factory=Average)
@@ -164,7 +168,7 @@ class AdaptivePolicy:
             self.since_plain = 0
             self.wait -= 1
         even = self.break_even()
-        if even is None:
+        if even is None or self.spec_tokens.value is None:
             return
         if self.spec_tokens.value >= even:
             self.plain_mode, self.backoff = False, self.min_backoff
@@ -203,7 +207,7 @@ class AdaptivePolicy:
     @classmethod
     def resume(cls, memory: Memory, key: str) -> "AdaptivePolicy":
         spec = memory.spec.get(key) or Speculated()
-        return cls(memory.plain.prior(), Speculated(spec.seconds.prior(), spec.tokens.prior(), spec.backoff,
+        return cls(memory.plain.prior(), Speculated(spec.seconds.prior(), Average(), spec.backoff,
                                                     spec.plain_mode, spec.wait))
 
     def remember(self, memory: Memory, key: str) -> None:
