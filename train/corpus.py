@@ -92,11 +92,11 @@ def _functions(text: str) -> list[ast.AST]:
 
 
 @lru_cache(maxsize=None)
-def _heldout_functions() -> tuple[tuple[str, str], ...]:
-    """(relative path, dedented source) of every function in the held-out files."""
+def _functions_of(split: str) -> tuple[tuple[str, str], ...]:
+    """(relative path, dedented source) of every function in one split's files."""
     root = stdlib_root()
     out = []
-    for path in stdlib_files("heldout"):
+    for path in stdlib_files(split):
         text = read_text(path)
         if not text:
             continue
@@ -127,15 +127,21 @@ def heldout_prompts(n: int, min_chars: int = 80, max_chars: int = 400, seed: int
     Each prompt ends with a newline, so the model continues the function body.
     Deterministic for a given seed; raises ValueError if fewer than `n` exist.
     """
+    return function_prompts("heldout", n, min_chars, max_chars, seed)
+
+
+def function_prompts(split: str, n: int, min_chars: int = 80, max_chars: int = 400, seed: int = 0) -> list[str]:
+    """`n` code prompts shaped like `heldout_prompts`, from one split's functions."""
+    _check_split(split)
     if not 0 < min_chars <= max_chars:
         raise ValueError(f"need 0 < min_chars <= max_chars, got {min_chars}, {max_chars}")
     candidates = []
-    for _, source in _heldout_functions():
+    for _, source in _functions_of(split):
         prefix = _prefix_in_range(source, min_chars, max_chars)
         # A prompt that is the whole function leaves nothing to continue.
         if prefix is not None and len(prefix) < len(source.rstrip()):
             candidates.append(prefix)
-    return _sample(candidates, n, seed, "heldout_prompts")
+    return _sample(candidates, n, seed, f"function_prompts({split!r})")
 
 
 GROUNDED_HEADER = "# Original:\n"
@@ -150,7 +156,7 @@ def grounded_prompts(n: int, min_chars: int = 120, max_chars: int = 600, seed: i
     """
     candidates = [
         f"{GROUNDED_HEADER}{source.rstrip()}\n{GROUNDED_FOOTER}"
-        for _, source in _heldout_functions()
+        for _, source in _functions_of("heldout")
         if min_chars <= len(source) <= max_chars
     ]
     return _sample(candidates, n, seed, "grounded_prompts")
@@ -159,5 +165,5 @@ def grounded_prompts(n: int, min_chars: int = 120, max_chars: int = 600, seed: i
 def _sample(candidates: list[str], n: int, seed: int, what: str) -> list[str]:
     unique = sorted(set(candidates))
     if n > len(unique):
-        raise ValueError(f"{what}: asked for {n} prompts, only {len(unique)} held-out candidates fit")
+        raise ValueError(f"{what}: asked for {n} prompts, only {len(unique)} candidates fit")
     return random.Random(seed).sample(unique, n)

@@ -9,6 +9,7 @@ family (`train_for_family`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from itertools import islice
@@ -28,6 +29,24 @@ def target_tokenizer(target_dir: Path):
     return Tokenizer.from_file(str(path))
 
 
+def target_fingerprint(target_dir: Path) -> str:
+    """A content hash of an HF model dir (config, tokenizer, and each weight file's size, head and tail),
+    cheap enough to check before every cached training step."""
+    target_dir = Path(target_dir)
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        path = target_dir / name
+        h.update(path.read_bytes() if path.is_file() else b"-")
+    for path in sorted(target_dir.glob("*.safetensors")) + sorted(target_dir.glob("*.bin")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+            f.seek(max(size - (1 << 20), 0))
+            tail = f.read()
+        h.update(f"{path.name}:{size}".encode() + head + tail)
+    return h.hexdigest()[:16]
+
+
 def token_stream(tok, texts, eos: int | None, max_tokens: int | None = None, batch: int = 16) -> torch.Tensor:
     """Texts tokenized (no special tokens added) and joined, each followed by `eos` when given,
     as one int64 tensor of at most `max_tokens` tokens.
@@ -45,6 +64,33 @@ def token_stream(tok, texts, eos: int | None, max_tokens: int | None = None, bat
         if max_tokens is not None and len(ids) >= max_tokens:
             break
     return torch.tensor(ids[:max_tokens], dtype=torch.int64)
+
+
+def ids_by_frequency(tokens: torch.Tensor, vocab_size: int) -> list[int]:
+    """Token ids that occur in `tokens`, most frequent first (ties by id): the order of the
+    draft_vocab.json a trainer writes, so a prefix of it is the export's draft vocabulary."""
+    counts = torch.bincount(tokens.flatten(), minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return [i for i in order if counts[i] > 0]
+
+
+class VocabSubset:
+    """A frozen LM head restricted to a draft vocabulary `ids`, and target ids mapped into it.
+
+    Heads whose export drafts among the N most frequent tokens only need to rank those:
+    training over them instead of a large target's whole vocabulary costs a fraction of
+    the LM head, and labels outside (-100 in `index`) are tokens no draft can propose.
+    """
+
+    def __init__(self, ids: list[int], lm_head_weight: torch.Tensor):
+        self.ids = torch.tensor(ids)
+        self.weight = lm_head_weight.detach()[self.ids].float()
+        self.index = torch.full((lm_head_weight.shape[0],), -100, dtype=torch.int64)
+        self.index[self.ids] = torch.arange(len(ids))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., len(ids)]."""
+        return torch.nn.functional.linear(hidden, self.weight)
 
 
 def take_chars(texts, max_chars: int):
@@ -92,7 +138,7 @@ def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int, batch: 
     return torch.cat(out)
 
 
-def _cached_training(out_dir: Path, train_hash: str, target_hash: str | None, required: list[str]) -> dict | None:
+def cached_training(out_dir: Path, train_hash: str, target_hash: str | None, required: list[str]) -> dict | None:
     """train.json of a finished run with this spec on this target, or None."""
     meta_path = out_dir / "train.json"
     if not meta_path.is_file() or not all(any((out_dir / n).is_file() for n in group.split("|")) for group in required):
@@ -122,7 +168,7 @@ def train_for_family(family_dir: Path, what: str, preset: str, presets: dict, tr
         raise SpecDeployError(f"{family_dir} is not a finished family build (no family.json): build the family first")
     target_hash = json.loads(fam_path.read_text()).get("config_hash")
     spec, out = presets[preset], family_dir / what
-    cached = _cached_training(out, spec.config_hash(), target_hash, required)
+    cached = cached_training(out, spec.config_hash(), target_hash, required)
     if cached is not None:
         progress(f"[{what}] {preset}: reusing {out} (train {spec.config_hash()})")
         return cached

@@ -35,8 +35,18 @@ from ..export.eagle_heads import EagleHead, new_head, save_head
 from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..runtime.errors import SpecDeployError
 from . import corpus
-from .distill import (greedy_continuations, random_windows, target_tokenizer, token_stream, train_for_family,
-                      warmup_cosine_lr)
+from .distill import (
+    VocabSubset,
+    cached_training,
+    greedy_continuations,
+    ids_by_frequency,
+    random_windows,
+    target_tokenizer,
+    token_stream,
+    train_for_family,
+    warmup_cosine_lr,
+)
+from .responses import data_hash, load_split, next_token_labels, response_tokens, windows
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
@@ -64,6 +74,10 @@ class EagleTrainSpec:
     bf16: bool = False
     threads: int = 2
     seed: int = 0
+    # > 0: the token loss ranks only the N most frequent tokens of the training text (the export
+    # drafts among at most `draft_vocab` of them); a large target's full LM head is most of a step.
+    train_vocab: int = 0
+    window: int = 128  # positions per window of the target's responses (--data)
 
     @property
     def seq_len(self) -> int:
@@ -82,6 +96,10 @@ PRESETS = {
     # A narrower MLP than the target's (384 vs 1024) costs ~nothing in accuracy and a fifth of each draft level.
     "default": EagleTrainSpec(steps=600, batch=8, lr=2e-3, intermediate=384, data_windows=240, gen_prompts=128,
                               gen_tokens=112, bf16=True),
+    # A real target's responses (--data), over a draft vocabulary.
+    "real": EagleTrainSpec(steps=400, batch=8, lr=2e-3, intermediate=768, bf16=True, train_vocab=8192),
+    "real-long": EagleTrainSpec(steps=2000, batch=8, lr=2e-3, warmup=50, intermediate=768, bf16=True,
+                                train_vocab=8192),
 }
 
 
@@ -114,12 +132,17 @@ def head_predict(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor) -> to
     return pred
 
 
+def _token_logits(head: EagleHead, feats: torch.Tensor, subset: VocabSubset | None) -> torch.Tensor:
+    return head.target_lm_head(feats) if subset is None else subset.logits(feats)
+
+
 def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: EagleTrainSpec,
-               progress: Progress) -> dict:
+               progress: Progress, labels: torch.Tensor | None = None, subset: VocabSubset | None = None) -> dict:
+    """Feature loss + token loss. `labels` [N, L]: the target's token after each position (else its
+    argmax from the features); with `subset` the token loss ranks only its tokens."""
     params = [p for n, p in head.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(spec.seed + 1)
-    lm_head = head.target_lm_head
     start, running = time.perf_counter(), None
     log_every = max(spec.steps // 10, 1)
     head.train()
@@ -131,13 +154,16 @@ def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: E
         noisy = f + (torch.rand(f.shape, generator=gen) - 0.5) * spec.noise
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.bf16):
             pred = head_predict(head, s, noisy)
-            logits = lm_head(pred)
+            logits = _token_logits(head, pred, subset)
             with torch.no_grad():
-                teacher = F.softmax(lm_head(f[:, 1:]).float(), -1)
+                teacher = F.softmax(_token_logits(head, f[:, 1:], subset).float(), -1)
         feat_loss = F.smooth_l1_loss(pred.float(), f[:, 1:])
         logq = F.log_softmax(logits.float(), -1)
         soft = -(teacher * logq).sum(-1).mean()
-        hard = F.nll_loss(logq.flatten(0, 1), teacher.argmax(-1).flatten())
+        want = teacher.argmax(-1) if labels is None else labels[idx, 1:]
+        if subset is not None and labels is not None:
+            want = subset.index[want]
+        hard = F.nll_loss(logq.flatten(0, 1), want.flatten(), ignore_index=-100)
         token_loss = spec.hard_share * hard + (1 - spec.hard_share) * soft
         loss = feat_loss + spec.token_weight * token_loss
         opt.zero_grad(set_to_none=True)
@@ -153,30 +179,27 @@ def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: E
 
 
 @torch.no_grad()
-def head_accuracy(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, top: int = 4) -> dict:
-    """Top-1 (and top-`top`) agreement of the head's next token with the target's, teacher-forced."""
+def head_accuracy(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, top: int = 4,
+                  labels: torch.Tensor | None = None, subset: VocabSubset | None = None) -> dict:
+    """Top-1 (and top-`top`) agreement of the head's next token with the target's, teacher-forced
+    (drafting among `subset` when given, as an export with that draft vocabulary does)."""
     pred = head_predict(head, seqs, feats)
-    mine = head.target_lm_head(pred)
-    theirs = head.target_lm_head(feats[:, 1:]).argmax(-1)
-    top1 = (mine.argmax(-1) == theirs).float().mean().item()
-    topk = (mine.topk(top, -1).indices == theirs[..., None]).any(-1).float().mean().item()
+    logits = _token_logits(head, pred, subset)
+    ranked = logits.topk(min(top, logits.shape[-1]), -1).indices
+    if subset is not None:
+        ranked = subset.ids[ranked]
+    theirs = head.target_lm_head(feats[:, 1:]).argmax(-1) if labels is None else labels[:, 1:]
+    top1 = (ranked[..., 0] == theirs).float().mean().item()
+    topk = (ranked == theirs[..., None]).any(-1).float().mean().item()
     return {"positions": theirs.numel(), "top1": round(top1, 4), f"top{top}": round(topk, 4)}
 
 
 # ---------------------------------------------------------------- build
 
 
-def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress: Progress = print,
-                fmt: str = "safetensors") -> dict:
-    """Train a head for the target in `target_dir`; write the EAGLE-1/2 layout to `out_dir`."""
-    t0 = time.perf_counter()
-    torch.set_num_threads(spec.threads)
-    torch.manual_seed(spec.seed)
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    cfg = read_hf_config(target_dir)
-    target = load_causal_lm(target_dir, "float32")
-    for p in target.parameters():
-        p.requires_grad_(False)
+def _corpus_data(target, target_dir: Path, cfg: dict, spec: EagleTrainSpec, progress: Progress, t0: float):
+    """Training (tokens, features) from corpus windows and the target's greedy continuations of
+    corpus prompts; held-out sets {name: (tokens, features)}."""
     tok = target_tokenizer(target_dir)
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
@@ -193,32 +216,80 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     feats = _features(target, seqs, spec.bf16)
     progress(f"[eagle] target features for {seqs.numel():,} positions ({len(generated)} greedy continuations) "
              f"in {time.perf_counter() - t0:.1f}s")
+    eval_text = random_windows(heldout_stream, spec.eval_windows, length, gen)
+    eval_greedy = greedy_continuations(target, random_windows(heldout_stream, spec.eval_prompts, spec.prompt_len,
+                                                              gen), spec.gen_tokens)
+    evals = {"heldout_text": (eval_text, _features(target, eval_text, False), None),
+             "heldout_greedy": (eval_greedy, _features(target, eval_greedy, False), None)}
+    return (seqs, feats, None), evals, seqs
+
+
+def _responses_data(target, data_dir: Path, spec: EagleTrainSpec, progress: Progress, t0: float):
+    """The same (with the target's next-token labels) from its responses in `data_dir` (train.responses)."""
+    weight = target.lm_head.weight
+    split = {name: load_split(data_dir, name) for name in ("train", "heldout")}
+    train = windows(split["train"], next_token_labels(split["train"], weight), spec.window)
+    heldout = windows(split["heldout"], next_token_labels(split["heldout"], weight), spec.window)
+    progress(f"[eagle] {split['train'].positions:,} positions of the target's responses in {len(train[0])} "
+             f"windows ({time.perf_counter() - t0:.1f}s)")
+    return train, {"heldout_responses": heldout}, response_tokens(split["train"])
+
+
+def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress: Progress = print,
+                fmt: str = "safetensors", data_dir: Path | None = None) -> dict:
+    """Train a head for the target in `target_dir`; write the EAGLE-1/2 layout to `out_dir`.
+
+    Data: the target's responses in `data_dir` when given, else corpus windows and continuations."""
+    t0 = time.perf_counter()
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    cfg = read_hf_config(target_dir)
+    target = load_causal_lm(target_dir, "float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    if data_dir is None:
+        (seqs, feats, labels), evals, vocab_text = _corpus_data(target, target_dir, cfg, spec, progress, t0)
+    else:
+        (seqs, feats, labels), evals, vocab_text = _responses_data(target, Path(data_dir), spec, progress, t0)
 
     head = new_head(1, target, seed=spec.seed, intermediate=spec.intermediate or None)
     for p in (*head.embed_tokens.parameters(), *head.target_lm_head.parameters()):
         p.requires_grad_(False)
-    run = train_head(head, seqs, feats, spec, progress)
-
-    eval_text = random_windows(heldout_stream, spec.eval_windows, length, gen)
-    heldout_starts = random_windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen)
-    eval_greedy = greedy_continuations(target, heldout_starts, spec.gen_tokens)
-    accuracy = {
-        "heldout_text": head_accuracy(head, eval_text, _features(target, eval_text, False)),
-        "heldout_greedy": head_accuracy(head, eval_greedy, _features(target, eval_greedy, False)),
-    }
+    subset = None
+    if spec.train_vocab:
+        subset = VocabSubset(ids_by_frequency(vocab_text, target.config.vocab_size)[: spec.train_vocab],
+                             target.lm_head.weight)
+    run = train_head(head, seqs, feats, spec, progress, labels, subset)
+    accuracy = {what: head_accuracy(head, s, f, labels=lab, subset=subset) for what, (s, f, lab) in evals.items()}
     for what, acc in accuracy.items():
-        progress(f"[eagle] held-out top-1 vs the target's next token ({what}): {acc['top1']:.3f} (top-4 {acc['top4']:.3f})")
+        progress(f"[eagle] held-out top-1 vs the target's next token ({what}): {acc['top1']:.3f} "
+                 f"(top-4 {acc['top4']:.3f})")
     meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "accuracy": accuracy,
             "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
     # Write beside, then swap in: an interrupted run never leaves a directory that looks finished.
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     save_head(head, target.config, tmp, fmt)
-    write_draft_vocab(tmp, seqs, target.config.vocab_size)
+    write_draft_vocab(tmp, vocab_text, target.config.vocab_size)
     (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     progress(f"[eagle] head written to {out_dir} in {meta['seconds']:.1f}s")
+    return meta
+
+
+def train_eagle_cached(target_dir: Path, data_dir: Path, out_dir: Path, spec: EagleTrainSpec,
+                       progress: Progress = print) -> dict:
+    """`train_eagle` on the target's responses, reused while the spec and the data are unchanged."""
+    source = data_hash(data_dir)
+    cached = cached_training(Path(out_dir), spec.config_hash(), source, ["config.json"])
+    if cached is not None:
+        progress(f"[eagle] reusing {out_dir} (train {spec.config_hash()})")
+        return cached
+    meta = train_eagle(target_dir, out_dir, spec, progress, data_dir=data_dir)
+    meta["target_hash"] = source
+    (Path(out_dir) / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -232,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=Path, help="HF model directory of the target")
     p.add_argument("--out", type=Path, help="output directory (SafeAILab EAGLE-1/2 layout)")
     p.add_argument("--family", type=Path, help="a built family dir instead: head cached in FAMILY/eagle")
+    p.add_argument("--data", type=Path, help="train on the target's responses in this dir (train.responses), "
+                   "reused while the spec and the data are unchanged; use a real-target preset")
     p.add_argument("--steps", type=int, help="training steps (default: the preset's)")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="data and step budget")
     p.add_argument("--format", default="safetensors", choices=["safetensors", "bin"])
@@ -252,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--steps must be >= 1")
         spec = replace(spec, steps=args.steps, warmup=min(spec.warmup, max(args.steps // 5, 1)))
     try:
-        meta = train_eagle(args.target, args.out, spec, lambda m: print(m, flush=True), args.format)
+        if args.data is not None:
+            meta = train_eagle_cached(args.target, args.data, args.out, spec, lambda m: print(m, flush=True))
+        else:
+            meta = train_eagle(args.target, args.out, spec, lambda m: print(m, flush=True), args.format)
     except SpecDeployError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

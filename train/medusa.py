@@ -37,8 +37,18 @@ from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..export.medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
 from ..runtime.errors import SpecDeployError
 from . import corpus
-from .distill import (greedy_continuations, random_windows, target_tokenizer, token_stream, train_for_family,
-                      warmup_cosine_lr)
+from .distill import (
+    VocabSubset,
+    cached_training,
+    greedy_continuations,
+    ids_by_frequency,
+    random_windows,
+    target_tokenizer,
+    token_stream,
+    train_for_family,
+    warmup_cosine_lr,
+)
+from .responses import data_hash, load_split, next_token_labels, response_tokens, windows
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
@@ -61,6 +71,11 @@ class HeadsTrainSpec:
     bf16: bool = False
     threads: int = 2  # at most; one when the CPU is busy (oversubscribed OpenMP is ~10x slower)
     seed: int = 0
+    # > 0: the heads' LM heads stay the target's (frozen) and the loss ranks only the N most frequent
+    # tokens of the training text. An export keeps at most `draft_vocab` of them anyway, so the full
+    # vocabulary's rows cost a large target's LM head per head per position and teach nothing drafted.
+    train_vocab: int = 0
+    window: int = 64  # positions per window of the target's responses (--data)
 
     def config_hash(self) -> str:
         blob = json.dumps({"format": TRAIN_FORMAT, **asdict(self)}, sort_keys=True)
@@ -71,6 +86,9 @@ class HeadsTrainSpec:
 PRESETS = {
     "micro": HeadsTrainSpec(steps=100, gen_prompts=64, gen_tokens=80, eval_windows=8, eval_prompts=8, threads=1),
     "default": HeadsTrainSpec(steps=100, gen_prompts=128, gen_tokens=112, bf16=True),
+    # A real target's responses (--data): frozen LM heads over a draft vocabulary.
+    "real": HeadsTrainSpec(steps=300, batch=512, lr=2e-3, warmup=20, bf16=True, train_vocab=8192),
+    "real-long": HeadsTrainSpec(steps=1500, batch=512, lr=2e-3, warmup=50, bf16=True, train_vocab=8192),
 }
 
 
@@ -106,11 +124,17 @@ def _sample_positions(n_seq: int, length: int, heads: int, batch: int, gen: torc
     return seq, t
 
 
+def _head_logits(head, h: torch.Tensor, subset: VocabSubset | None) -> torch.Tensor:
+    return head(h) if subset is None else subset.logits(head[:-1](h))
+
+
 def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, spec: HeadsTrainSpec,
-                progress: Progress) -> dict:
-    """Cross-entropy of head k at t against the target's token at t+k+2 (labels[t+k+1]), weights decay**k."""
+                progress: Progress, subset: VocabSubset | None = None) -> dict:
+    """Cross-entropy of head k at t against the target's token at t+k+2 (labels[t+k+1]), weights decay**k.
+
+    With `subset` only the heads' blocks train and labels outside it are left out of the loss."""
     gen = torch.Generator().manual_seed(spec.seed + 1)
-    params = [p for p in heads.heads.parameters()]
+    params = [p for head in heads.heads for p in (head.parameters() if subset is None else head[:-1].parameters())]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -127,7 +151,11 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, 
         loss = 0.0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.bf16):
             for k, head in enumerate(heads.heads):
-                loss = loss + weights[k] * F.cross_entropy(head(h).float(), labels[seq, t + k + 1])
+                want = labels[seq, t + k + 1]
+                if subset is not None:
+                    want = subset.index[want]
+                loss = loss + weights[k] * F.cross_entropy(_head_logits(head, h, subset).float(), want,
+                                                           ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -143,14 +171,19 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, 
 
 
 @torch.no_grad()
-def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, top: int = 5) -> list[dict]:
-    """Per head: how often its top-1 (and top-`top`) holds the target's token at t + k + 2."""
+def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, top: int = 5,
+                  subset: VocabSubset | None = None) -> list[dict]:
+    """Per head: how often its top-1 (and top-`top`) holds the target's token at t + k + 2
+    (drafting among `subset` when given, as an export with that draft vocabulary does)."""
     n_seq, length, size = hidden.shape
     out = []
     for k, head in enumerate(heads.heads):
         h = hidden[:, : length - k - 1].reshape(-1, size)
         want = labels[:, k + 1 :].reshape(-1)
-        ranked = head(h).topk(top, -1).indices
+        logits = _head_logits(head, h, subset)
+        ranked = logits.topk(min(top, logits.shape[-1]), -1).indices
+        if subset is not None:
+            ranked = subset.ids[ranked]
         hit = ranked == want[:, None]
         out.append({"head": k, "top1": round(hit[:, 0].float().mean().item(), 4),
                     f"top{top}": round(hit.any(-1).float().mean().item(), 4)})
@@ -160,22 +193,13 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor
 # ---------------------------------------------------------------- entry points
 
 
-def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress: Progress = print,
-                 fmt: str = "safetensors") -> dict:
-    """Train heads for the target in `target_dir`; write the published layout to `out_dir`."""
-    t0 = time.perf_counter()
-    torch.set_num_threads(_threads(spec.threads))
-    torch.manual_seed(spec.seed)
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    cfg = read_hf_config(target_dir)
-    target = load_causal_lm(target_dir, "float32")
-    for p in target.parameters():
-        p.requires_grad_(False)
+def _corpus_data(target, target_dir: Path, cfg: dict, spec: HeadsTrainSpec, progress: Progress, t0: float):
+    """Train and held-out (hidden, labels) from the target's greedy continuations of corpus prompts,
+    and the training tokens the draft vocabulary is counted on."""
     tok = target_tokenizer(target_dir)
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     gen = torch.Generator().manual_seed(spec.seed)
-
     length = spec.prompt_len + spec.gen_tokens
     train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 7), eos,
                                 (spec.gen_prompts + 8) * spec.prompt_len * 64)
@@ -188,17 +212,49 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     hidden, labels = _hidden(target, generated, bf16=spec.bf16)
     progress(f"[medusa] target hidden states for {hidden.shape[0] * hidden.shape[1]:,} positions "
              f"({time.perf_counter() - t0:.1f}s)")
-
-    heads = new_heads(spec.heads, spec.layers, target.lm_head.weight, base_model=str(target_dir.resolve()))
-    run = train_heads(heads, hidden, labels, spec, progress)
-
     eval_text = random_windows(heldout_stream, spec.eval_windows, length, gen)
     eval_gen = greedy_continuations(target, random_windows(heldout_stream, spec.eval_prompts, spec.prompt_len, gen),
                                     spec.gen_tokens, batch=64)
-    metrics = {
-        "heldout_text": head_accuracy(heads, *_hidden(target, eval_text)),
-        "heldout_greedy": head_accuracy(heads, *_hidden(target, eval_gen)),
-    }
+    evals = {"heldout_text": _hidden(target, eval_text), "heldout_greedy": _hidden(target, eval_gen)}
+    return (hidden, labels), evals, generated
+
+
+def _responses_data(target, data_dir: Path, spec: HeadsTrainSpec, progress: Progress, t0: float):
+    """The same from the target's responses in `data_dir` (train.responses): features computed once."""
+    weight = target.lm_head.weight
+    split = {name: load_split(data_dir, name) for name in ("train", "heldout")}
+    train_tok, hidden, labels = windows(split["train"], next_token_labels(split["train"], weight), spec.window)
+    _, eval_hidden, eval_labels = windows(split["heldout"], next_token_labels(split["heldout"], weight), spec.window)
+    progress(f"[medusa] {split['train'].positions:,} positions of the target's responses in {len(hidden)} windows "
+             f"({time.perf_counter() - t0:.1f}s)")
+    return (hidden, labels), {"heldout_responses": (eval_hidden, eval_labels)}, response_tokens(split["train"])
+
+
+def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress: Progress = print,
+                 fmt: str = "safetensors", data_dir: Path | None = None) -> dict:
+    """Train heads for the target in `target_dir`; write the published layout to `out_dir`.
+
+    Data: the target's responses in `data_dir` when given, else its greedy continuations of corpus prompts."""
+    t0 = time.perf_counter()
+    torch.set_num_threads(_threads(spec.threads))
+    torch.manual_seed(spec.seed)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    cfg = read_hf_config(target_dir)
+    target = load_causal_lm(target_dir, "float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    if data_dir is None:
+        (hidden, labels), evals, vocab_text = _corpus_data(target, target_dir, cfg, spec, progress, t0)
+    else:
+        (hidden, labels), evals, vocab_text = _responses_data(target, Path(data_dir), spec, progress, t0)
+
+    heads = new_heads(spec.heads, spec.layers, target.lm_head.weight, base_model=str(target_dir.resolve()))
+    subset = None
+    if spec.train_vocab:
+        subset = VocabSubset(ids_by_frequency(vocab_text, target.config.vocab_size)[: spec.train_vocab],
+                             target.lm_head.weight)
+    run = train_heads(heads, hidden, labels, spec, progress, subset)
+    metrics = {what: head_accuracy(heads, *data, subset=subset) for what, data in evals.items()}
     for what, rows in metrics.items():
         progress(f"[medusa] held-out top-1 vs target ({what}): "
                  + ", ".join(f"head {r['head']} {r['top1']:.3f}" for r in rows))
@@ -208,11 +264,25 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(heads, tmp, fmt, extra_config={"specdeploy_train_hash": spec.config_hash()})
-    write_draft_vocab(tmp, generated, target.config.vocab_size)
+    write_draft_vocab(tmp, vocab_text, target.config.vocab_size)
     (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     progress(f"[medusa] {spec.heads} heads written to {out_dir} in {meta['seconds']:.1f}s")
+    return meta
+
+
+def train_medusa_cached(target_dir: Path, data_dir: Path, out_dir: Path, spec: HeadsTrainSpec,
+                        progress: Progress = print) -> dict:
+    """`train_medusa` on the target's responses, reused while the spec and the data are unchanged."""
+    source = data_hash(data_dir)
+    cached = cached_training(Path(out_dir), spec.config_hash(), source, [CONFIG_NAME, "|".join(WEIGHT_NAMES)])
+    if cached is not None:
+        progress(f"[medusa] reusing {out_dir} (train {spec.config_hash()})")
+        return cached
+    meta = train_medusa(target_dir, out_dir, spec, progress, data_dir=data_dir)
+    meta["target_hash"] = source
+    (Path(out_dir) / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -222,14 +292,20 @@ def build_medusa_heads(family_dir: Path, preset: str, progress: Progress = print
                             progress)
 
 
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Train Medusa-1 heads (frozen target, self-distillation).")
     p.add_argument("--target", type=Path, help="HF model directory of the target")
     p.add_argument("--out", type=Path, help="output directory (published Medusa layout)")
     p.add_argument("--family", type=Path, help="a built family dir: train (or reuse) <family>/medusa for its "
                    "target with --preset's spec (the cached `make export` step)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=1, help="ResBlocks per head (medusa_num_layers)")
+    p.add_argument("--data", type=Path, help="train on the target's responses in this dir (train.responses), "
+                   "reused while the spec and the data are unchanged; use a real-target preset")
+    p.add_argument("--heads", type=int, help="number of heads (default: the preset's)")
+    p.add_argument("--layers", type=int, help="ResBlocks per head (medusa_num_layers; default: the preset's)")
     p.add_argument("--steps", type=int, help="training steps (default: the preset's)")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="data and step budget")
     p.add_argument("--format", default="safetensors", choices=["safetensors", "pt"])
@@ -244,14 +320,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.target is None or args.out is None:
         p.error("--target and --out are required (or --family DIR)")
-    spec = replace(PRESETS[args.preset], heads=args.heads, layers=args.layers)
+    spec = PRESETS[args.preset]
+    spec = replace(spec, heads=spec.heads if args.heads is None else args.heads,
+                   layers=spec.layers if args.layers is None else args.layers)
     if args.steps is not None:
         spec = replace(spec, steps=args.steps, warmup=min(spec.warmup, max(args.steps // 5, 1)))
     for name in ("heads", "steps"):
         if getattr(spec, name) < 1:
             p.error(f"--{name} must be >= 1")
     try:
-        meta = train_medusa(args.target, args.out, spec, lambda m: print(m, flush=True), args.format)
+        if args.data is not None:
+            meta = train_medusa_cached(args.target, args.data, args.out, spec, _say)
+        else:
+            meta = train_medusa(args.target, args.out, spec, _say, args.format)
     except SpecDeployError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,59 @@
+"""The real-target training path on the micro family's target: the target's responses with
+features, a draft cut from it, Medusa and EAGLE heads on those responses, each cached."""
+
+from dataclasses import replace
+
+import torch
+
+from specdeploy.export.hf_loading import load_causal_lm
+from specdeploy.train import draft as draft_mod
+from specdeploy.train import eagle, medusa, responses
+
+
+def _responses(micro_family, tmp_path):
+    out = tmp_path / "responses"
+    meta = responses.build_responses(micro_family / "target", out, responses.PRESETS["micro"], lambda m: None)
+    return out, meta
+
+
+def test_responses_are_the_targets_greedy_output_with_its_features(micro_family, tmp_path):
+    out, meta = _responses(micro_family, tmp_path)
+    # The micro tokenizer has no chat template: code prompts only.
+    assert meta["train"]["by_kind"] == {"chat": 0, "code": responses.PRESETS["micro"].code_prompts}
+    data = responses.load_split(out, "train")
+    target = load_causal_lm(micro_family / "target")
+    with torch.no_grad():
+        for tokens, feats, p in list(zip(data.tokens, data.features, data.prompt_lens))[:3]:
+            assert feats.shape == (len(tokens) - 1, target.config.hidden_size)
+            hidden = target.model(input_ids=tokens[None]).last_hidden_state[0, :-1]
+            # bf16 body: features close to float32's, and each new token the float32 argmax
+            # except at near-ties (none expected in 24 tokens of this peaked model).
+            assert torch.allclose(feats.float(), hidden, atol=0.1 * hidden.abs().max().item())
+            assert torch.equal(target.lm_head(hidden[p - 1 :]).argmax(-1), tokens[p:])
+    again = responses.build_responses(micro_family / "target", out, responses.PRESETS["micro"], lambda m: None)
+    assert again == meta  # cached
+
+
+def test_draft_heads_train_on_responses_and_are_cached(micro_family, tmp_path):
+    data, _ = _responses(micro_family, tmp_path)
+    spec = draft_mod.PRESETS["micro"]
+    meta = draft_mod.build_draft(micro_family / "target", data, tmp_path / "draft", spec, lambda m: None)
+    draft = load_causal_lm(tmp_path / "draft")
+    assert draft.config.num_hidden_layers == len(spec.layers)
+    tokenizer = (tmp_path / "draft" / "tokenizer.json").read_bytes()
+    assert tokenizer == (micro_family / "target" / "tokenizer.json").read_bytes()
+    assert 0.0 <= meta["heldout"]["top1_response"] <= 1.0
+    logs = []
+    draft_mod.build_draft(micro_family / "target", data, tmp_path / "draft", spec, logs.append)
+    assert any("reusing" in line for line in logs)
+
+    mspec = replace(medusa.PRESETS["real"], steps=5, batch=32, train_vocab=64, window=16)
+    mmeta = medusa.train_medusa_cached(micro_family / "target", data, tmp_path / "medusa", mspec, lambda m: None)
+    assert (tmp_path / "medusa" / "draft_vocab.json").is_file()
+    assert len(mmeta["accuracy"]["heldout_responses"]) == mspec.heads
+    espec = replace(eagle.PRESETS["real"], steps=5, batch=2, intermediate=32, train_vocab=64, window=16)
+    emeta = eagle.train_eagle_cached(micro_family / "target", data, tmp_path / "eagle", espec, lambda m: None)
+    assert 0.0 <= emeta["accuracy"]["heldout_responses"]["top1"] <= 1.0
+    logs = []
+    eagle.train_eagle_cached(micro_family / "target", data, tmp_path / "eagle", espec, logs.append)
+    assert any("reusing" in line for line in logs)
