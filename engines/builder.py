@@ -21,8 +21,9 @@
   previous engine and record; the next run removes the temp files), and the run holds
   the export's lock (export/out_dir.py), so it never races an export replacing OUT.
 * Bookkeeping: OUT/engines.json (engines/engine_manifest.py writes it,
-  runtime/backends/engine_records.py reads it). Fresh engines are kept; missing or stale ones are (re)built with the reason printed; --rebuild
-  rebuilds everything; --no-rebuild turns a missing or stale engine into an error.
+  runtime/backends/engine_records.py reads it). Fresh engines are kept; missing or stale
+  ones are (re)built with the reason printed; --rebuild rebuilds everything;
+  --no-rebuild turns a missing or stale engine into an error.
   The "trt" runtime backend never rebuilds: it refuses stale engines.
 
 Written to the documented TensorRT 10 Python API (IBuilder.create_optimization_profile,
@@ -38,12 +39,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..export.out_dir import export_lock
 from ..runtime.backends.engine_records import ENGINE_DIR, engine_rel, file_digests, load_engines, stale_reasons
 from ..runtime.backends.trt_profiles import NoProfile, graph_profile, profile_json
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import DECODER, GraphRecord
 from ..runtime.manifest import load_manifest
-from ..export.out_dir import export_lock
 from .engine_manifest import atomic_write, graph_sources, make_record, remove_partial_writes, save_engines
 
 TIMING_CACHE = f"{ENGINE_DIR}/timing.cache"
@@ -178,7 +179,8 @@ def build_engine(trt, builder, logger, manifest, graphs, workspace_gb: float | N
 
 
 def build_engines(export_dir: str | Path, rebuild: bool = False, workspace_gb: float | None = None,
-                  timing_cache: str | Path | None = None, progress=print, allow_build: bool = True) -> list[BuildResult]:
+                  timing_cache: str | Path | None = None, progress=print,
+                  allow_build: bool = True) -> list[BuildResult]:
     """Build missing and stale engines (all with rebuild=True); with allow_build=False a
     missing or stale engine is an error instead (a deploy-time freshness check)."""
     reason = skip_reason()

@@ -11,8 +11,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..runtime.backends.engine_records import (ENGINE_DIR, ENGINES_JSON, engine_rel, file_digests, load_engines,
-                                               stale_reasons)
+from ..runtime.backends.engine_records import (
+    ENGINE_DIR,
+    ENGINES_JSON,
+    engine_rel,
+    file_digests,
+    load_engines,
+    stale_reasons,
+)
 from ..runtime.manifest import Manifest
 from ..runtime.onnx_external import external_data_locations
 

@@ -145,7 +145,8 @@ class _Linter:
     def type_name(self, elem_type: int) -> str:
         import onnx
 
-        raw = onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else str(elem_type)
+        known = elem_type in onnx.TensorProto.DataType.values()
+        raw = onnx.TensorProto.DataType.Name(elem_type) if known else str(elem_type)
         return self.m.type_names.get(raw, raw)
 
     def lint_graph(self, graph, scope: _Scope, prefix: str = "") -> None:
@@ -166,7 +167,8 @@ class _Linter:
     def lint_node(self, node, name: str, scope: _Scope, version: str) -> None:
         op, domain = node.op_type, node.domain
         if domain not in self.m.domains:
-            self.add(name, op, domain, f"domain '{domain}' is not the default ONNX domain (TensorRT would need a plugin)", version)
+            self.add(name, op, domain,
+                     f"domain '{domain}' is not the default ONNX domain (TensorRT would need a plugin)", version)
             return
         row = self.m.entry(op, version)
         if row is None:
@@ -210,10 +212,14 @@ class _Linter:
             return f"attribute `{present[0]}` is unsupported" if present else None
         if kind == "attr_eq":
             value = _attr(node, c["attr"], c.get("default"))
-            return None if value == c["value"] else f"attribute `{c['attr']}`={value!r} is unsupported (must be {c['value']!r})"
+            if value == c["value"]:
+                return None
+            return f"attribute `{c['attr']}`={value!r} is unsupported (must be {c['value']!r})"
         if kind == "attr_in":
             value = _attr(node, c["attr"], c.get("default"))
-            return None if value in c["allowed"] else f"attribute `{c['attr']}`={value!r} is unsupported (allowed: {', '.join(c['allowed'])})"
+            if value in c["allowed"]:
+                return None
+            return f"attribute `{c['attr']}`={value!r} is unsupported (allowed: {', '.join(c['allowed'])})"
         if kind == "attr_ones":
             value = _attr(node, c["attr"])
             return None if value is None or all(v == 1 for v in value) else f"attribute `{c['attr']}` must be all ones"
@@ -237,7 +243,8 @@ class _FunctionGraph:
         self.node, self.input, self.output, self.value_info, self.initializer = fn.node, [], [], [], []
 
 
-def lint_model(model, graph_name: str, matrix: SupportMatrix | None = None, targets: list[str] | None = None) -> tuple[list[Finding], int]:
+def lint_model(model, graph_name: str, matrix: SupportMatrix | None = None,
+               targets: list[str] | None = None) -> tuple[list[Finding], int]:
     """Findings for one ModelProto (loaded without external data), and its node count."""
     import onnx
 
@@ -258,7 +265,8 @@ def lint_model(model, graph_name: str, matrix: SupportMatrix | None = None, targ
         for vi in list(model.graph.input) + list(model.graph.output):
             t = vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else 0
             if t and linter.type_name(t) not in set(matrix.type_names.values()):
-                linter.add(f"(graph io) {vi.name}", "io", "", f"type {linter.type_name(t)} has no TensorRT equivalent", version)
+                linter.add(f"(graph io) {vi.name}", "io", "",
+                           f"type {linter.type_name(t)} has no TensorRT equivalent", version)
     linter.lint_graph(inferred.graph, scope)
     findings = [Finding(graph_name, node, op, domain, reason, tuple(v))
                 for (node, op, domain, reason), v in linter.found.items()]

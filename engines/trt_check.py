@@ -86,7 +86,6 @@ def check_graph(manifest, graph) -> TrtGraphCheck:
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
     from polygraphy.comparator import Comparator, CompareFunc
-
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
@@ -106,7 +105,8 @@ def check_graph(manifest, graph) -> TrtGraphCheck:
     except SpecDeployError as exc:
         return TrtGraphCheck(graph.name, False, str(exc))
     except Exception as exc:
-        return TrtGraphCheck(graph.name, False, f"could not run: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
+        return TrtGraphCheck(graph.name, False, f"could not run: {type(exc).__name__}: {first_line}")
     passed = bool(verdict)
     return TrtGraphCheck(graph.name, passed, f"tensorrt ({origin}) vs onnxrt, {len(feeds)} feeds incl. empty past, "
                                              f"atol={atol} rtol={rtol}: {'PASS' if passed else 'FAIL'}")

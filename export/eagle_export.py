@@ -16,12 +16,27 @@ from torch import nn
 
 from ..runtime.drafters.eagle import graph_plan
 from ..runtime.errors import SpecDeployError
-from ..runtime.graph_contract import (EAGLE, EAGLE_DRAFT, FEATURES, FUSED, INPUT_IDS, KV_KINDS, POSITION_IDS, TREE_MASK,
-                                      GraphRecord, ModelRecord, eagle_draft_io, eagle_graph_name, graph_file,
-                                      is_past, past_name, weights_file)
+from ..runtime.graph_contract import (
+    EAGLE,
+    EAGLE_DRAFT,
+    FEATURES,
+    FUSED,
+    INPUT_IDS,
+    KV_KINDS,
+    POSITION_IDS,
+    TREE_MASK,
+    GraphRecord,
+    ModelRecord,
+    eagle_draft_io,
+    eagle_graph_name,
+    graph_file,
+    is_past,
+    past_name,
+    weights_file,
+)
 from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
-from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
 from .eagle_fused import build_fused_eagle_head
+from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
 from .fused_graph import write_fused
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
@@ -70,7 +85,8 @@ def sample_feeds(t: int, width: int, past: int, draft_rows: int, head: EagleHead
     }
     for i in range(head.num_layers):
         for kind in KV_KINDS:
-            feeds[past_name(i, kind)] = rng.standard_normal((1, past, head.num_kv_heads, head.head_dim)).astype(np_dtype)
+            shape = (1, past, head.num_kv_heads, head.head_dim)
+            feeds[past_name(i, kind)] = rng.standard_normal(shape).astype(np_dtype)
     return feeds
 
 

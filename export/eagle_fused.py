@@ -14,8 +14,20 @@ import onnx
 from onnx import TensorProto, helper
 from torch import nn
 
-from ..runtime.graph_contract import (FEATURES, FUSED, HIDDEN, INPUT_IDS, PAST_LENGTH, POSITION_IDS, TOKENS_DIM,
-                                      TOPK_IDS, TOPK_LOGPROBS, TREE_MASK, KVGeometry, eagle_draft_io)
+from ..runtime.graph_contract import (
+    FEATURES,
+    FUSED,
+    HIDDEN,
+    INPUT_IDS,
+    PAST_LENGTH,
+    POSITION_IDS,
+    TOKENS_DIM,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    TREE_MASK,
+    KVGeometry,
+    eagle_draft_io,
+)
 from .eagle_heads import EagleHead
 from .fused_graph import AttentionShape, GraphBuilder, check_silu, float32_array
 

@@ -26,7 +26,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb, repeat_kv,
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
 )
 
 from ..runtime.errors import SpecDeployError

@@ -37,9 +37,28 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ..runtime.errors import SpecDeployError
-from ..runtime.graph_contract import (FEATURES, FUSED, HIDDEN, INPUT_IDS, KEY, LOGITS, PAST_LENGTH, POSITION_IDS,
-                                      TOKENS_DIM, TREE_MASK, VALUE, GraphIO, KVGeometry, decoder_io, graph_file,
-                                      is_past, is_present, past_name, past_of, present_name)
+from ..runtime.graph_contract import (
+    FEATURES,
+    FUSED,
+    HIDDEN,
+    INPUT_IDS,
+    KEY,
+    LOGITS,
+    PAST_LENGTH,
+    POSITION_IDS,
+    TOKENS_DIM,
+    TREE_MASK,
+    VALUE,
+    GraphIO,
+    KVGeometry,
+    decoder_io,
+    graph_file,
+    is_past,
+    is_present,
+    past_name,
+    past_of,
+    present_name,
+)
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 FUSED_DTYPES = ("float32",)  # ORT's CPU kernels for these contrib ops are fastest (and tested) in fp32

@@ -125,7 +125,8 @@ def check_same_vocab(target_dir: Path, draft_dir: Path, target_cfg: dict, draft_
     tv, dv = tokenizer_vocab(target_dir), tokenizer_vocab(draft_dir)
     if tv is not None and dv is not None and tv != dv:
         differing = len(set(tv.items()) ^ set(dv.items()))
-        raise SpecDeployError(f"vocabulary mismatch: target and draft tokenizers differ ({differing} differing entries)")
+        raise SpecDeployError(
+            f"vocabulary mismatch: target and draft tokenizers differ ({differing} differing entries)")
     target_table, draft_table = token_table(target_dir, target_cfg), token_table(draft_dir, draft_cfg)
     differ = sorted(i for i in set(target_table) & set(draft_table) if target_table[i] != draft_table[i])
     if differ:

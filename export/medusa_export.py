@@ -21,8 +21,16 @@ from torch import nn
 
 from ..runtime.drafters.medusa import MedusaConfig
 from ..runtime.errors import SpecDeployError
-from ..runtime.graph_contract import (HIDDEN, MEDUSA_HEADS, MEDUSA_HEADS_GRAPH, MEDUSA_HEADS_IO, TARGET, GraphRecord,
-                                      graph_file, weights_file)
+from ..runtime.graph_contract import (
+    HIDDEN,
+    MEDUSA_HEADS,
+    MEDUSA_HEADS_GRAPH,
+    MEDUSA_HEADS_IO,
+    TARGET,
+    GraphRecord,
+    graph_file,
+    weights_file,
+)
 from .draft_vocab import read_draft_vocab
 from .medusa_heads import MedusaHeads, load_heads
 from .method_export import MethodExport

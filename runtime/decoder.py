@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import SpecDeployError
-from .graph_contract import INPUT_IDS, POSITION_IDS, PORTABLE, TREE_MASK, ModelRecord
+from .graph_contract import INPUT_IDS, PORTABLE, POSITION_IDS, TREE_MASK, ModelRecord
 
 
 @functools.lru_cache(maxsize=64)
@@ -135,7 +135,8 @@ class StaticDecoder:
 class StepOutput:
     logits: np.ndarray  # [n, vocab] float32, real (unpadded) tokens only
     hidden: np.ndarray  # [n, hidden] float32
-    presents: list[np.ndarray]  # per layer key, value: [1, T, kv_heads, head_dim]; empty when the cache was written in place
+    # per layer key, value: [1, T, kv_heads, head_dim]; empty when the cache was written in place
+    presents: list[np.ndarray]
     features: np.ndarray | None = None
 
 
@@ -180,6 +181,7 @@ class Decoder(StaticDecoder):
             call = self.fit(min(chunk, len(tokens) - s))
             if call is None:
                 self._check_room(self.sizes[0])  # raises: not even the smallest graph fits
+            assert call is not None
             n = call[0]
             start = self.cache.length
             last = self.forward(tokens[s : s + n], np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)))

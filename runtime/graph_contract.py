@@ -8,8 +8,9 @@ both sides import it (ARCHITECTURE.md documents the shapes).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # -- what a graph is -----------------------------------------------------------------------------
 
@@ -175,7 +176,7 @@ class KVGeometry:
     @classmethod
     def from_config(cls, cfg) -> KVGeometry:
         """From a Hugging Face config object or its config.json dict (Llama-family names)."""
-        get = cfg.get if isinstance(cfg, Mapping) else (lambda key: getattr(cfg, key, None))
+        get: Callable[[str], Any] = cfg.get if isinstance(cfg, Mapping) else (lambda key: getattr(cfg, key, None))
         heads = int(get("num_attention_heads"))
         return cls(num_layers=int(get("num_hidden_layers")), num_heads=heads,
                    num_kv_heads=int(get("num_key_value_heads") or heads),
@@ -238,8 +239,9 @@ class ModelRecord:
         if missing:
             raise KeyError(f"model {name!r} lacks {', '.join(missing)}")
         typed, extra = _split(data, cls._INTS + cls._TEXTS)
-        return cls(name=name, extra=extra, **{k: int(typed[k]) for k in cls._INTS},
-                   **{k: str(typed.get(k) or "") for k in cls._TEXTS})
+        fields: dict[str, Any] = {k: int(typed[k]) for k in cls._INTS}
+        fields.update({k: str(typed.get(k) or "") for k in cls._TEXTS})
+        return cls(name=name, extra=extra, **fields)
 
 
 @dataclass(frozen=True)

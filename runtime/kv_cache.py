@@ -26,6 +26,7 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 class KVCache:
     def __init__(self, spec: ModelRecord, max_context: int, dtype: str = "float32", in_place: bool = False):
         self.in_place = in_place
+        shape: tuple[int, ...]
         if in_place:
             shape = (1, spec.num_kv_heads, max_context, spec.head_dim)
         else:
@@ -62,15 +63,15 @@ class KVCache:
         """Keep the given rows of the step the graph just wrote at length..; drop the rest."""
         start = self.length
         if isinstance(rows, slice):
-            rows = np.arange(rows.start or 0, rows.stop, rows.step or 1)
-        rows = np.asarray(rows, dtype=np.int64)
-        n = len(rows)
+            rows = range(rows.start or 0, rows.stop, rows.step or 1)
+        idx = np.asarray(rows, dtype=np.int64)
+        n = len(idx)
         if start + n > self.max_context:
             raise SpecDeployError(f"context full: {start + n} tokens exceed max_context {self.max_context}")
-        moved = np.nonzero(rows != np.arange(n))[0]
+        moved = np.nonzero(idx != np.arange(n))[0]
         if len(moved):  # a tree path: rows from the first divergence on move down
             first = int(moved[0])
-            src = start + rows[first:]
+            src = start + idx[first:]
             dst = slice(start + first, start + n)
             for buf in (*self.keys, *self.values):
                 heads = buf[0]  # [kv_heads, S, D]: index rows on axis 1 (buf[0, :, src] would move the axis)
@@ -83,21 +84,23 @@ class KVCache:
         if self.in_place:
             self.commit_in_place(rows)
             return
+        sel: np.ndarray | slice
         if isinstance(rows, slice):
+            sel = rows
             n = len(range(*rows.indices(presents[0].shape[1])))
         else:
-            rows = np.asarray(rows, dtype=np.int64)
-            n = len(rows)
+            sel = np.asarray(rows, dtype=np.int64)
+            n = len(sel)
             # A prefix of the new tokens is a slice: a plain copy, no fancy-index temporary.
-            if n and rows[0] == 0 and rows[-1] == n - 1:
-                rows = slice(0, n)
+            if n and sel[0] == 0 and sel[-1] == n - 1:
+                sel = slice(0, n)
         start = self.length
         if start + n > self.max_context:
             raise SpecDeployError(f"context full: {start + n} tokens exceed max_context {self.max_context}")
         for layer in range(len(self.keys)):
             k, v = presents[2 * layer][0], presents[2 * layer + 1][0]
-            self.keys[layer][start : start + n] = k[rows]
-            self.values[layer][start : start + n] = v[rows]
+            self.keys[layer][start : start + n] = k[sel]
+            self.values[layer][start : start + n] = v[sel]
         self.bytes_copied += 2 * n * self.keys[0][0].nbytes * len(self.keys)
         self.length = start + n
 

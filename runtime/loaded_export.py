@@ -25,7 +25,6 @@ from .manifest import load_manifest
 from .methods import build_drafter, method_spec, validate_methods
 from .tokenizer import TextTokenizer
 
-
 FLAVOR_CHOICES = ("auto", FUSED, PORTABLE)
 
 
@@ -58,7 +57,8 @@ class LoadedExport:
             raise SpecDeployError("manifest has no target model")
         if self.tokenizer.vocab_size > target.vocab_size:
             raise SpecDeployError(
-                f"vocabulary mismatch: tokenizer has {self.tokenizer.vocab_size} tokens, target vocab is {target.vocab_size}"
+                f"vocabulary mismatch: tokenizer has {self.tokenizer.vocab_size} tokens, "
+                f"target vocab is {target.vocab_size}"
             )
 
     def sibling(self) -> "LoadedExport":

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .config import from_dict
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    config: type
+    config: type[Any]
     # (export, config) -> Drafter over a loaded export (runtime.loaded_export.LoadedExport)
     build: Callable
     # export_all's argument (`specdeploy export --NAME DIR`) the method needs; without it

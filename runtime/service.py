@@ -19,10 +19,11 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from .errors import SpecDeployError
-from .loaded_export import LoadedExport
 from .generate import Generation, GenerationResult, TokenEvent, validate_request
+from .loaded_export import LoadedExport
 from .pool import BusyError, ExportPool, Ticket
 from .sampling import SamplingParams
 
@@ -106,7 +107,7 @@ class Service:
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
         if prompt is not None and not isinstance(prompt, str):
             raise SpecDeployError(f"prompt must be a string, got {type(prompt).__name__}")
-        ids = self.tokenizer.encode(prompt) if prompt is not None else list(prompt_ids)
+        ids = self.tokenizer.encode(prompt) if prompt is not None else list(prompt_ids or ())
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise SpecDeployError("prompt_ids must be integers")
         method = self.default_method if method is None else method
@@ -267,7 +268,7 @@ class Request:
         return dict(self._stats) if self._stats else self._collect_stats()
 
     def _collect_stats(self) -> dict:
-        stats = {"method": self.method}
+        stats: dict[str, Any] = {"method": self.method}
         if self._gen is not None:
             stats.update(self._gen.stats, new_tokens=len(self._gen.new_ids))
         stats.update(queue_s=self.queue_s, total_s=time.perf_counter() - self._created,

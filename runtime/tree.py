@@ -16,6 +16,11 @@ import numpy as np
 from .errors import SpecDeployError
 
 
+def _is_rank(r) -> bool:
+    """A top-k rank: an int, and not a bool (True is an int)."""
+    return isinstance(r, int) and not isinstance(r, bool)
+
+
 @dataclass(frozen=True)
 class Tree:
     parents: tuple[int, ...]  # parents[0] == -1
@@ -89,7 +94,7 @@ class Tree:
             raise SpecDeployError("tree: expected a non-empty list of paths (lists of top-k ranks)")
         seen: set[tuple[int, ...]] = set()
         for path in paths:
-            if not isinstance(path, (list, tuple)) or not path or not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+            if not isinstance(path, (list, tuple)) or not path or not all(_is_rank(r) for r in path):
                 raise SpecDeployError(f"tree: path {path!r} is not a non-empty list of integer ranks")
             if any(r < 0 or (max_rank is not None and r >= max_rank) for r in path):
                 raise SpecDeployError(f"tree: path {list(path)} has a rank outside [0, {max_rank})")
@@ -98,19 +103,21 @@ class Tree:
             if tuple(path) in seen:
                 raise SpecDeployError(f"tree: path {list(path)} is listed twice")
             seen.add(tuple(path))
-        for path in seen:
-            if len(path) > 1 and path[:-1] not in seen:
-                raise SpecDeployError(f"tree: path {list(path)} has no parent path {list(path[:-1])} (not prefix-closed)")
+        for node in seen:
+            if len(node) > 1 and node[:-1] not in seen:
+                raise SpecDeployError(
+                    f"tree: path {list(node)} has no parent path {list(node[:-1])} (not prefix-closed)")
         if max_size is not None and len(seen) + 1 > max_size:
-            raise SpecDeployError(f"tree: {len(seen) + 1} nodes (with the root) exceed the verify graph's {max_size} tokens")
+            raise SpecDeployError(
+                f"tree: {len(seen) + 1} nodes (with the root) exceed the verify graph's {max_size} tokens")
         # Breadth-first, then by ranks: parents always precede children.
         ordered = sorted(seen, key=lambda p: (len(p), p))
-        index = {(): 0}
+        index: dict[tuple[int, ...], int] = {(): 0}
         parents, ranks = [-1], [0]
-        for path in ordered:
-            index[path] = len(parents)
-            parents.append(index[path[:-1]])
-            ranks.append(path[-1])
+        for node in ordered:
+            index[node] = len(parents)
+            parents.append(index[node[:-1]])
+            ranks.append(node[-1])
         return Tree(parents=tuple(parents), ranks=tuple(ranks))
 
     def padded_mask(self, total: int) -> np.ndarray:

@@ -66,7 +66,7 @@ class TreePaths:
         return max(len(p) for p in self.paths)
 
 
-def config_tree(spec, resolved, what: str) -> tuple[str, list]:
+def config_tree(spec, resolved, what: str) -> tuple[str, list | None]:
     """(label, paths) of a config's `tree`: its `resolved` copy (TreePaths or the manifest's
     {"name", "paths"}) when that names the same tree, else resolve_tree(spec). Not yet validated."""
     if isinstance(resolved, TreePaths):

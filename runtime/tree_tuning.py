@@ -206,7 +206,8 @@ def tune(export, method: str, prompts: list[list[int]], max_new_tokens: int = 64
     current_expected = 1.0 + sum(float(np.prod([cal.stats.rates()[d, r] for d, r in enumerate(p)])) for p in current)
     report = {
         "method": method,
-        "chosen": {**choice.to_json(), "empirical_tokens_per_step": round(empirical_expected_tokens(choice.paths, cal.matched), 4)},
+        "chosen": {**choice.to_json(),
+                   "empirical_tokens_per_step": round(empirical_expected_tokens(choice.paths, cal.matched), 4)},
         "export_tree": {"nodes": len(current), "expected_tokens_per_step": round(current_expected, 4),
                         "empirical_tokens_per_step": round(empirical_expected_tokens(current, cal.matched), 4),
                         "expected_tokens_per_s": round(current_expected / model(len(current) + 1), 2)},

@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from ..runtime.aio import AsyncRequest
 from ..runtime.chat_template import ChatTemplate, ChatTemplateError, encode_rendered

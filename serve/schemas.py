@@ -87,7 +87,8 @@ class ChatRequest(_Common):
     def unsupported(self):
         fmt = (self.response_format or {}).get("type", "text")
         return super().unsupported() + [("logprobs", bool(self.logprobs)), ("top_logprobs", bool(self.top_logprobs)),
-                                        ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+                                        ("tools", bool(self.tools)),
+                                        ("tool_choice", self.tool_choice not in (None, "none", "auto")),
                                         ("response_format", fmt != "text")]
 
 
@@ -188,4 +189,5 @@ def _api_error(err: dict) -> ApiError:
     got = err.get("input")
     shown = repr(got) if not isinstance(got, float) or math.isfinite(got) else str(got)
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
-    return bad_request(f"invalid '{param}': {err['msg'][0].lower()}{err['msg'][1:]} (got {shown[:100]})", param or None, code)
+    msg = f"{err['msg'][0].lower()}{err['msg'][1:]}"
+    return bad_request(f"invalid '{param}': {msg} (got {shown[:100]})", param or None, code)

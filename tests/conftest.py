@@ -75,7 +75,6 @@ def arch_exports(random_models, tmp_path_factory) -> dict[str, Path]:
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Plain Hugging Face greedy decoding, EOS ignored: the reference every method must equal."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     model = _hf_model(str(model_dir))
     with torch.no_grad():

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from specdeploy.runtime.config import to_dict
-    from specdeploy.train import corpus
     from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.train import corpus
 
     export = LoadedExport(args.export, threads=args.threads)
     overrides = {}
@@ -73,9 +73,11 @@ def main(argv=None) -> int:
     for rep in range(args.repeats):
         for name, prompts in sets.items():
             per_repeat[name].append(run_set(export, prompts, METHODS, args.new_tokens, overrides))
-            print(f"  repeat {rep + 1}/{args.repeats} {name} done ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+            elapsed = time.perf_counter() - start
+            print(f"  repeat {rep + 1}/{args.repeats} {name} done ({elapsed:.0f}s)", file=sys.stderr)
 
-    report = {"export": args.export, "methods": {m: to_dict(export.method_config(m, overrides.get(m))) for m in METHODS},
+    configs = {m: to_dict(export.method_config(m, overrides.get(m))) for m in METHODS}
+    report = {"export": args.export, "methods": configs,
               "new_tokens": args.new_tokens, "prompts_per_set": args.prompts, "repeats": args.repeats, "sets": {}}
     for name, reps in per_repeat.items():
         rows = {}

@@ -205,10 +205,11 @@ def test_float64_reference_has_no_float32_step(micro_family):
     """The wrappers cast on purpose (`scores.float()`, RMSNorm's float32): the float64 run must
     compute every floating op in float64 anyway, or the reference shares float32's rounding."""
     import torch
+    from torch.overrides import TorchFunctionMode
+
     from specdeploy.export.decoder_graph import DecoderGraph
     from specdeploy.export.hf_loading import load_causal_lm
     from specdeploy.export.reference import decoder_feeds, run_float64
-    from torch.overrides import TorchFunctionMode
 
     class FloatDtypes(TorchFunctionMode):
         """The dtypes of every floating result while the wrapper's forward runs."""
@@ -255,6 +256,7 @@ def test_real_smollm2_layers_pass(tmp_path):
 def test_reference_from_before_float64_is_refused(deep_export, tmp_path):
     """An export whose outputs file holds one `pytorch` run (fixed tolerances) asks for a re-export."""
     from polygraphy.comparator import IterationResult, RunResults
+
     from specdeploy.export.check import check_graph
 
     path = _graph_copy(deep_export, "target_t1", tmp_path)
@@ -270,6 +272,7 @@ def test_reference_from_before_float64_is_refused(deep_export, tmp_path):
 def _compare(reference: dict, torch_run: dict, ours: dict) -> dict:
     """polygraphy's view of one comparison: ErrorBound on (onnxrt, pytorch-float64) iteration results."""
     from polygraphy.comparator import IterationResult
+
     from specdeploy.export.check import ErrorBound
     from specdeploy.export.reference import TorchReference
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from conftest import run_cli
 from serve_util import ServerProcess, clone_export
 

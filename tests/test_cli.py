@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from conftest import run_cli
-
-
 import pytest
+from conftest import run_cli
 
 
 @pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup", "lookahead"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 
 import pytest
-
 from conftest import hf_greedy
 from test_eagle import _random_head, _random_target
 
@@ -70,8 +69,8 @@ def eagle3(micro_family, tmp_path_factory):
     root = tmp_path_factory.mktemp("context_end3")
     target = _random_target(micro_family, root / "target4", layers=4)
     head = _random_head(3, target, root / "head3", "bin", seed=3, draft_vocab=200)
-    out = _export(root / "eagle3", target, f"max_context: {CONTEXT}\nprefill_chunk: 64\nmethods:\n  eagle: {{mode: eagle1}}\n",
-                  eagle=head)
+    config = f"max_context: {CONTEXT}\nprefill_chunk: 64\nmethods:\n  eagle: {{mode: eagle1}}\n"
+    out = _export(root / "eagle3", target, config, eagle=head)
     return target, LoadedExport(out, threads=1)
 
 
@@ -110,7 +109,8 @@ def test_every_method_decodes_to_the_context_end(full):
 
 def test_eagle3_decodes_to_the_context_end(eagle3):
     _, export = eagle3
-    runs = {"eagle2": ("eagle", {"mode": "eagle2"}), "eagle1": ("eagle", None), "prompt-lookup": ("prompt-lookup", None)}
+    runs = {"eagle2": ("eagle", {"mode": "eagle2"}), "eagle1": ("eagle", None),
+            "prompt-lookup": ("prompt-lookup", None)}
     _to_the_end(export, runs, 64)
 
 

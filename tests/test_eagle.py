@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-
 from conftest import BUILD, hf_greedy, run_cli
+from scipy.stats import chisquare
 
 PROMPTS = [
     "def foo(x):\n    return",
@@ -143,7 +142,8 @@ def test_trained_head_is_accurate_and_in_published_layout(trained_head):
     cfg = json.loads((head_dir / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is True
     vocab = json.loads((head_dir / "draft_vocab.json").read_text())
-    assert vocab["counts"] == sorted(vocab["counts"], reverse=True) and len(set(vocab["token_ids"])) == len(vocab["token_ids"])
+    assert vocab["counts"] == sorted(vocab["counts"], reverse=True)
+    assert len(set(vocab["token_ids"])) == len(vocab["token_ids"])
 
 
 def test_export_checks_every_head_graph(heads):
@@ -238,7 +238,8 @@ def _torch_topk(head, committed: list[int], feats: torch.Tensor, path: list[int]
     with torch.no_grad():
         for depth in range(len(path) + 1):
             n = len(tokens)
-            h, _ = head.step(torch.tensor([tokens]), rows, torch.arange(n)[None], torch.tril(torch.ones(1, n, n, dtype=torch.bool)),
+            causal = torch.tril(torch.ones(1, n, n, dtype=torch.bool))
+            h, _ = head.step(torch.tensor([tokens]), rows, torch.arange(n)[None], causal,
                              [torch.zeros(1, 0, head.num_kv_heads, head.head_dim)] * (2 * head.num_layers))
             if depth == len(path):
                 logp = torch.log_softmax(head.logits(h[0, -1]), -1)
@@ -401,6 +402,8 @@ def test_runtime_errors(heads, micro_export):
     no_head = _open(micro_export)
     assert "eagle" in _error(lambda: Generation(no_head, ids, method="eagle"))
     export = _open(heads["trained"][2])
-    assert "top 6 candidates" in _error(lambda: Generation(export, ids, method="eagle", method_overrides={"mode": "eagle2", "top_k": 6}))
-    assert "re-export" in _error(lambda: Generation(export, ids, method="eagle",
-                                                    method_overrides={"mode": "eagle2", "top_k": 4, "total_tokens": 70}))
+    assert "top 6 candidates" in _error(
+        lambda: Generation(export, ids, method="eagle", method_overrides={"mode": "eagle2", "top_k": 6}))
+    assert "re-export" in _error(
+        lambda: Generation(export, ids, method="eagle",
+                           method_overrides={"mode": "eagle2", "top_k": 4, "total_tokens": 70}))

@@ -6,8 +6,7 @@ import json
 import shutil
 
 import pytest
-
-from conftest import BUILD, run_cli
+from conftest import run_cli
 
 
 def assert_clean_error(proc, *needles):

@@ -4,7 +4,6 @@ on the fused ORT-CPU graphs (the default) and on the portable ones."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import hf_greedy
 
 PROMPTS = [

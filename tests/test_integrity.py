@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SPECDEPLOY, run_cli
+
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.manifest import load_manifest, sha256_file
 
@@ -181,10 +181,14 @@ atomic_write(Path(sys.argv[1]), b"a newer engine" * 4096)
 
 
 def test_kill_during_engine_write_keeps_the_previous_engine(export_copy):
-    from specdeploy.engines.engine_manifest import (graph_sources, make_record, remove_partial_writes,
-                                                    save_engines)
-    from specdeploy.runtime.backends.engine_records import (check_engine_bytes, engine_rel, file_digests,
-                                                            load_engines, stale_reasons)
+    from specdeploy.engines.engine_manifest import graph_sources, make_record, remove_partial_writes, save_engines
+    from specdeploy.runtime.backends.engine_records import (
+        check_engine_bytes,
+        engine_rel,
+        file_digests,
+        load_engines,
+        stale_reasons,
+    )
 
     m = load_manifest(export_copy)
     engine = export_copy / engine_rel("target_t1")

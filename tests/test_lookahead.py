@@ -9,9 +9,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import hf_greedy, run_cli
 from scipy.stats import chisquare
 
-from conftest import hf_greedy, run_cli
 from specdeploy.runtime.drafters.base import DecodeState
 from specdeploy.runtime.drafters.lookahead import LookaheadConfig, LookaheadDrafter
 from specdeploy.runtime.errors import SpecDeployError
@@ -135,7 +135,8 @@ SAMPLING_RUNS = 800
 
 # Under the root `.`, the prompt's n-grams start with different tokens (a trie with
 # siblings), some likely under the target and some not.
-SAMPLING_PROMPT = "        self.assertEqual(a, 1)\n        self.assertTrue(b)\n        self.assertIn(c, d)\n        self."
+SAMPLING_PROMPT = ("        self.assertEqual(a, 1)\n        self.assertTrue(b)\n"
+                   "        self.assertIn(c, d)\n        self.")
 
 
 @pytest.mark.parametrize("method,overrides", [("lookahead", {"window": 4, "ngram": 3, "guesses": 4}),
@@ -250,7 +251,8 @@ def test_lookahead_too_big_for_max_context_fails_before_export(micro_family, tmp
     out = tmp_path / "out"
     with pytest.raises(SpecDeployError) as err:
         export_all(micro_family / "target", out, config=cfg, progress=lambda m: None)
-    assert "methods.lookahead needs a verify graph of 75 tokens" in str(err.value) and "max_context 64" in str(err.value)
+    assert "methods.lookahead needs a verify graph of 75 tokens" in str(err.value)
+    assert "max_context 64" in str(err.value)
     assert not out.exists()
 
 
@@ -264,8 +266,8 @@ def test_override_bigger_than_export_is_refused(micro):
 
 @pytest.mark.parametrize("method", ["lookahead", "prompt-lookup"])
 def test_cli_generate_json(micro_target_export, method):
-    proc = run_cli("generate", micro_target_export, "--method", method, "--prompt", PROMPTS[3], "--max-new-tokens", "12",
-                   "--ignore-eos", "--json", env={"OMP_NUM_THREADS": "1"})
+    proc = run_cli("generate", micro_target_export, "--method", method, "--prompt", PROMPTS[3],
+                   "--max-new-tokens", "12", "--ignore-eos", "--json", env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 12 and result["stats"]["method"] == method

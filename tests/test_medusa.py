@@ -15,9 +15,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import BUILD, hf_greedy, run_cli
 from scipy.stats import chisquare
 
-from conftest import BUILD, hf_greedy, run_cli
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.sampling import SamplingParams
 from specdeploy.runtime.tree import Tree
@@ -55,7 +55,7 @@ def trained_heads(micro_family):
 
 
 def _random_heads(micro_family, fmt: str, seed: int):
-    from specdeploy.export.medusa_heads import medusa_module_list, MedusaHeads, save_heads
+    from specdeploy.export.medusa_heads import MedusaHeads, medusa_module_list, save_heads
 
     cfg = json.loads((micro_family / "target" / "config.json").read_text())
     torch.manual_seed(seed)

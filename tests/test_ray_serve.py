@@ -36,8 +36,8 @@ ray = pytest.importorskip("ray", reason="the Ray Serve tests need the ray extra:
                           "(or make serve-deps)")
 serve = pytest.importorskip("ray.serve")
 
-from conftest import REPO
-from serve_util import free_port
+from conftest import REPO  # noqa: E402 (after importorskip: skip the module before importing)
+from serve_util import free_port  # noqa: E402
 
 LONG_CONTEXT = 4096
 PROMPTS = ["def main():", "import numpy as np\n", "class Node:\n    def __init__(self"]

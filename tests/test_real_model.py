@@ -12,7 +12,6 @@ import sys
 import zipfile
 
 import pytest
-
 from conftest import BUILD, REPO, hf_greedy
 
 MODELS = BUILD / "models"
@@ -135,7 +134,8 @@ def test_corrupt_inputs_are_one_error_line_and_leave_nothing(truncated_copies, t
     assert [p.name for p in out.parent.iterdir() if not p.name.endswith(".lock")] == []  # no staging left
 
     for flag, path in (("--gguf", bad_gguf), ("--wheel", bad_wheel)):
-        proc = subprocess.run([sys.executable, "-m", "specdeploy.export.gguf_import", "--out", str(out), flag, str(path)],
+        cmd = [sys.executable, "-m", "specdeploy.export.gguf_import", "--out", str(out), flag, str(path)]
+        proc = subprocess.run(cmd,
                               capture_output=True, text=True, cwd=REPO, timeout=120)
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()

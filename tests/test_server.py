@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import run_cli
 from load_test import run_load
 from serve_util import ServerProcess, metric_value
@@ -22,7 +21,8 @@ from serve_util import ServerProcess, metric_value
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unsupported role ' + m['role']) }}{% endif %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role ' + m['role']) }}{% endif %}"
     "[{{ m['role'] | upper }}] {{ m['content'] }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
@@ -160,8 +160,8 @@ def test_chat_completion_uses_the_tokenizer_template(server, client, chat_export
     assert resp.choices[0].finish_reason == expected["finish_reason"]
     assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(expected["token_ids"])
     # content as a list of text parts renders the same prompt
-    parts = [{"role": "system", "content": [{"type": "text", "text": "You write "}, {"type": "text", "text": "Python."}]},
-             messages[1]]
+    system_parts = [{"type": "text", "text": "You write "}, {"type": "text", "text": "Python."}]
+    parts = [{"role": "system", "content": system_parts}, messages[1]]
     resp2 = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=30, temperature=0)
     assert resp2.choices[0].message.content == expected["text"] and resp2.usage.prompt_tokens == len(ids)
 
@@ -394,7 +394,8 @@ def test_full_queue_is_429_and_disconnects_free_their_place(tight_server):
     _wait_idle(tight_server)
 
     after = tight_server.metrics()
-    delta = lambda name, **labels: metric_value(after, name, **labels) - metric_value(before, name, **labels)
+    def delta(name, **labels):
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
     assert delta("specdeploy_generations_total") == 1  # A only: B never got a worker
     assert delta("specdeploy_generations_total", finish_reason="cancelled") == 1
     assert delta("specdeploy_generated_tokens_total") < LONG  # A really stopped early

@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import run_cli
 from serve_util import ServerProcess, break_decode_graphs, clone_export, metric_value
 

@@ -9,7 +9,6 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-
 from serve_util import ServerProcess, clone_export
 from test_chat import CHATML
 

@@ -9,7 +9,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import run_cli
 from serve_util import ServerProcess, clone_export, metric_value
 

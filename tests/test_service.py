@@ -9,7 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specdeploy.runtime import AsyncRequest, BusyError, Generation, LoadedExport, SamplingParams, Service, SpecDeployError
+from specdeploy.runtime import (
+    AsyncRequest,
+    BusyError,
+    Generation,
+    LoadedExport,
+    SamplingParams,
+    Service,
+    SpecDeployError,
+)
 
 
 @pytest.fixture(scope="module")

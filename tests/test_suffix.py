@@ -11,7 +11,6 @@ import json
 import pytest
 from conftest import hf_greedy, run_cli
 
-
 PROMPTS = [
     "def foo(x):\n    return",
     "import os\nimport sys\n\n\nclass Config",

@@ -22,12 +22,12 @@ import pytest
 
 tritonclient = pytest.importorskip("tritonclient", reason="the Triton tests need tritonclient: "
                                    "pip install 'tritonclient[http,grpc]' (or make serve-deps)")
-import tritonclient.grpc as tgrpc
-import tritonclient.http as thttp
-from tritonclient.utils import InferenceServerException
-
-from conftest import REPO
-from serve_util import free_port
+# after importorskip: without tritonclient the module is skipped before these imports run
+import tritonclient.grpc as tgrpc  # noqa: E402
+import tritonclient.http as thttp  # noqa: E402
+from conftest import REPO  # noqa: E402
+from serve_util import free_port  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 PROMPT = "def main():"
 MAX_TOKENS = 24

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import BUILD, REPO
 
 MIB = 1 << 20

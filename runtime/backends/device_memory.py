@@ -119,8 +119,8 @@ class CudaRuntime:
 
     def compute_capability(self, device: int = 0) -> str:
         major, minor = ctypes.c_int(0), ctypes.c_int(0)
-        self.check(self.lib.cudaDeviceGetAttribute(ctypes.byref(major), _ATTR_CC_MAJOR, device), "cudaDeviceGetAttribute")
-        self.check(self.lib.cudaDeviceGetAttribute(ctypes.byref(minor), _ATTR_CC_MINOR, device), "cudaDeviceGetAttribute")
+        for value, attr in ((major, _ATTR_CC_MAJOR), (minor, _ATTR_CC_MINOR)):
+            self.check(self.lib.cudaDeviceGetAttribute(ctypes.byref(value), attr, device), "cudaDeviceGetAttribute")
         return f"{major.value}.{minor.value}"
 
 
@@ -153,22 +153,26 @@ class CudaMemory:
         stream = ctypes.c_void_p()
         rt.check(rt.lib.cudaStreamCreate(ctypes.byref(stream)), "cudaStreamCreate")
         self.stream = stream.value or 0
-        self._owned: list[int] = []
+        self._owned: list[int] | None = []  # None once closed
 
     def alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_void_p()
         self.rt.check(self.rt.lib.cudaMalloc(ctypes.byref(ptr), max(1, nbytes)), f"cudaMalloc({nbytes} bytes)")
-        self._owned.append(ptr.value)
-        self.rt.check(self.rt.lib.cudaMemsetAsync(ptr.value, 0, max(1, nbytes), self.stream), "cudaMemsetAsync")
-        return ptr.value
+        addr = ptr.value
+        assert addr is not None and self._owned is not None  # cudaMalloc succeeded; not closed
+        self._owned.append(addr)
+        self.rt.check(self.rt.lib.cudaMemsetAsync(addr, 0, max(1, nbytes), self.stream), "cudaMemsetAsync")
+        return addr
 
     def h2d(self, dst: int, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host)
-        self.rt.check(self.rt.lib.cudaMemcpyAsync(dst, host.ctypes.data, host.nbytes, _H2D, self.stream), "copy to device")
+        status = self.rt.lib.cudaMemcpyAsync(dst, host.ctypes.data, host.nbytes, _H2D, self.stream)
+        self.rt.check(status, "copy to device")
 
     def d2h(self, host: np.ndarray, src: int) -> None:
         """Fill the contiguous array `host` from device memory at src (waits for the copy)."""
-        self.rt.check(self.rt.lib.cudaMemcpyAsync(host.ctypes.data, src, host.nbytes, _D2H, self.stream), "copy to host")
+        status = self.rt.lib.cudaMemcpyAsync(host.ctypes.data, src, host.nbytes, _D2H, self.stream)
+        self.rt.check(status, "copy to host")
         self.sync()
 
     def d2d_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
@@ -184,7 +188,7 @@ class CudaMemory:
             return
         try:
             self.sync()
-            for ptr in self._owned:
+            for ptr in self._owned or ():
                 self.rt.lib.cudaFree(ptr)
             self.rt.lib.cudaStreamDestroy(self.stream)
         finally:

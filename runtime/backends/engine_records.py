@@ -46,7 +46,8 @@ def load_engines(root: str | Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpecDeployError(f"{path} is not valid JSON ({exc}); delete it and run `specdeploy engines` again") from None
+        raise SpecDeployError(
+            f"{path} is not valid JSON ({exc}); delete it and run `specdeploy engines` again") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("engines"), dict):
         raise SpecDeployError(f"{path} is not an engine manifest of format {FORMAT}; "
                               "delete it and run `specdeploy engines` again")

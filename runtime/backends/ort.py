@@ -7,6 +7,7 @@ Sessions are shared by every graph object that runs the same graph the same way
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +128,7 @@ class InPlaceGraph:
         self.binding = self.session.io_binding()
         self.inputs: dict[str, np.ndarray] = {}
         self.outputs: dict[str, np.ndarray] = {}
-        self._keep = []  # OrtValues must outlive the binding
+        self._keep: list[Any] = []  # OrtValues must outlive the binding
         types = {"tensor(int64)": np.int64, "tensor(bool)": np.bool_, "tensor(float)": np.float32}
 
         def shape_of(arg) -> list:

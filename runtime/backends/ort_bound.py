@@ -20,12 +20,21 @@ a serving pool holds the weights once on the device, each instance only its bind
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import SpecDeployError
-from ..graph_contract import (INPUT_IDS, KV_KINDS, POSITION_IDS, TOKENS_DIM, TREE_MASK, GraphRecord, parse_kv_name,
-                              past_name)
+from ..graph_contract import (
+    INPUT_IDS,
+    KV_KINDS,
+    POSITION_IDS,
+    TOKENS_DIM,
+    TREE_MASK,
+    GraphRecord,
+    parse_kv_name,
+    past_name,
+)
 from ..manifest import Manifest
 from .device_decoder import DeviceDecoder
 from .device_memory import CudaMemory, HostMemory, cuda_unavailable_reason
@@ -73,7 +82,7 @@ class OrtBoundDecoder(DeviceDecoder):
 
     def _open_session(self, t: int):
         g = self.graph_records[t]
-        providers = list(ORT_PROVIDERS[self.backend])
+        providers: list[Any] = list(ORT_PROVIDERS[self.backend])  # a name, or (name, options)
         if self.backend == "ort-trt":
             providers[0] = (providers[0], _trt_ep_options(self.manifest, g, self.manifest.root))
         path = self.manifest.graph_path(g)
@@ -108,7 +117,8 @@ class OrtBoundDecoder(DeviceDecoder):
                 continue
             shape = tuple(t if d == TOKENS_DIM else d for d in o.shape)
             if len(shape) < 2 or not all(isinstance(d, int) for d in shape) or shape[:2] != (1, t):
-                raise SpecDeployError(f"output {o.name} of the T={t} graph has shape {shape}, expected static [1, {t}, ...]")
+                raise SpecDeployError(
+                    f"output {o.name} of the T={t} graph has shape {shape}, expected static [1, {t}, ...]")
             if o.type not in _ORT_TYPES:
                 raise SpecDeployError(f"output {o.name} has unsupported type {o.type}")
             dtype = np.dtype(_ORT_TYPES[o.type])

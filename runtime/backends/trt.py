@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -147,7 +148,8 @@ class TrtDecoder(DeviceDecoder):
         self.trt, self.logger = trt, logger
         engines = {t: e if isinstance(e, tuple) else (e, 0) for t, e in engines.items()}
         self.engines = {t: engine for t, (engine, _) in engines.items()}
-        self.contexts, self.graph_outputs = {}, {}
+        self.contexts: dict[int, Any] = {}
+        self.graph_outputs: dict[int, list[str]] = {}
         self.buffers: dict[str, tuple[int, tuple, np.dtype]] = {}  # name -> (device ptr, row shape, dtype)
         for t, (engine, profile) in sorted(engines.items()):
             context = engine.create_execution_context()
@@ -179,7 +181,8 @@ class TrtDecoder(DeviceDecoder):
             kv = parse_kv_name(name)
             if kv is not None:
                 if dtype != self.cache.np_dtype:
-                    raise SpecDeployError(f"engine tensor {name} is {dtype}, the export's KV cache is {self.cache.np_dtype}")
+                    raise SpecDeployError(
+                        f"engine tensor {name} is {dtype}, the export's KV cache is {self.cache.np_dtype}")
                 ptr = (self.cache.present_ptr if kv.present else self.cache.past_ptr)(kv.layer, kv.kind_index)
             elif is_input:
                 if name not in FIXED_INPUTS:

@@ -84,7 +84,8 @@ def inputs_profile(inputs: dict[str, tuple], tokens: int, max_context: int) -> d
     return out
 
 
-def graph_profile(manifest: Manifest, graph: GraphRecord | str, inputs: dict[str, tuple] | None = None) -> dict[str, ShapeRange]:
+def graph_profile(manifest: Manifest, graph: GraphRecord | str,
+                  inputs: dict[str, tuple] | None = None) -> dict[str, ShapeRange]:
     """The profile of one exported graph; `inputs` (name -> shape as the network sees it)
     is cross-checked against the manifest for decoders and is required for other kinds."""
     g = manifest.graphs[graph] if isinstance(graph, str) else graph

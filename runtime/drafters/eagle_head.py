@@ -24,8 +24,18 @@ from ..backends.availability import available_backends
 from ..backends.ort import ORT_PROVIDERS, InPlaceGraph, OrtGraph
 from ..decoder import StaticCall, StaticDecoder, smallest_fit
 from ..errors import SpecDeployError
-from ..graph_contract import (EAGLE, EAGLE_DRAFT, FEATURES, FUSED, HIDDEN, PAST_LENGTH, PORTABLE, TOPK_IDS,
-                              TOPK_LOGPROBS, present_names)
+from ..graph_contract import (
+    EAGLE,
+    EAGLE_DRAFT,
+    FEATURES,
+    FUSED,
+    HIDDEN,
+    PAST_LENGTH,
+    PORTABLE,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    present_names,
+)
 from ..kv_cache import KVCache
 from ..manifest import Manifest
 

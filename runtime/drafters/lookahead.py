@@ -76,7 +76,8 @@ def window_layout(window: int, ngram: int) -> tuple[np.ndarray, np.ndarray]:
 
 def trie(root: int, continuations: Sequence[Sequence[int]]) -> tuple[Tree, np.ndarray]:
     """The candidates as one tree under the root, shared prefixes merged."""
-    parents, tokens, index = [-1], [int(root)], {}
+    parents, tokens = [-1], [int(root)]
+    index: dict[tuple[int, int], int] = {}
     for cont in continuations:
         node = 0
         for tok in cont:

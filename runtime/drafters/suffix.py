@@ -2,9 +2,10 @@
 
 Two suffix trees (runtime/drafters/suffix_tree.py) count what followed every substring:
 one over this request's prompt, built when it starts; one over the outputs of this and
-earlier requests, kept across requests (with no cache, the output joins the prompt's). Each step the longest context suffix (at most
-`max_match` tokens) found in a tree is continued by a tree of its likeliest continuations,
-best-first by empirical path probability, within `max_nodes`. Of the two trees' proposals
+earlier requests, kept across requests (with no cache, the output joins the prompt's).
+Each step the longest context suffix (at most `max_match` tokens) found in a tree is
+continued by a tree of its likeliest continuations, best-first by empirical path
+probability, within `max_nodes`. Of the two trees' proposals
 the one continuing the longer match wins (then the higher expected acceptance). Drafts
 are deterministic, verified like prompt lookup's (greedy exact, sampling lossless).
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class _Node:
@@ -62,7 +63,8 @@ class SuffixTree:
         # k implied by the length, until another occurrence splits that tail.
         self._active: dict[int, list[tuple[int, _Node, int, int]]] = {}
         self._parked: dict[int, list[tuple[int, _Node, int] | None]] = {}
-        self._moving: tuple[int, list] | None = None  # the sequence being appended to, its new list
+        # the sequence being appended to, its new list
+        self._moving: tuple[int, list[tuple[int, _Node, int, int]]] | None = None
         self.nodes = 1
 
     # -- building -------------------------------------------------------------------
@@ -84,11 +86,12 @@ class SuffixTree:
         S.append(t)
         active = self._active[seq]
         active.append((n, self.root, 0, 0))  # the new one-token suffix starts at the root
-        moved = []
+        moved: list[tuple[int, _Node, int, int]] = []
         self._moving = (seq, moved)
         for j, node, d, k in active:
             own = node.tail_seq == seq and node.tail_pos == j + d
             while k and not own:  # another occurrence split our tail since: walk down its new nodes
+                assert node.kids is not None  # k > 0: the tail was split, so the node has kids
                 node, d, k = node.kids[S[j + d]], d + 1, k - 1
                 own = node.tail_seq == seq and node.tail_pos == j + d
             if own:  # our own tail: t is already its next token
@@ -118,6 +121,7 @@ class SuffixTree:
     def _split(self, node: _Node, d: int) -> None:
         """Materialize the first level of `node`'s tail (the occurrence it stands for)."""
         s, p = node.tail_seq, node.tail_pos
+        assert s is not None  # only a node with a tail is split
         node.tail_seq = None
         S = self.seqs[s]
         if p < len(S):
@@ -126,7 +130,7 @@ class SuffixTree:
         # The occurrence's suffix, if parked, is visited again from now on.
         slots, j, D = self._parked.get(s), p - d, self.depth
         entry = slots[j % D] if slots is not None else None
-        if entry is not None and entry[0] == j and entry[1] is node and len(S) - j < D:
+        if slots is not None and entry is not None and entry[0] == j and entry[1] is node and len(S) - j < D:
             slots[j % D] = None
             moving = self._moving
             (moving[1] if moving is not None and moving[0] == s else self._active[s]).append(
@@ -145,10 +149,12 @@ class SuffixTree:
                 if node.tail_seq == seq and node.tail_pos == i:  # the rest of this suffix is that tail
                     node.tail_seq = None
                     break
-                child = node.kids[S[i]]
+                kids = node.kids
+                assert kids is not None  # this suffix's counts were added along existing kids
+                child = kids[S[i]]
                 child.count -= 1
                 if not child.count:  # only this suffix went on from here: the walk frees the rest
-                    del node.kids[S[i]]
+                    del kids[S[i]]
                     if not node.kids:
                         node.kids = None
                     self.nodes -= 1
@@ -211,8 +217,10 @@ class SuffixTree:
         m, loc = self.longest_match(context, max_len)
         if not m:
             return None
-        parents, tokens, probs = [], [], []
-        heap = []  # (-path prob, tie, parent index, token, location)
+        parents: list[int] = []
+        tokens: list[int] = []
+        probs: list[float] = []
+        heap: list[tuple[float, int, int, int, Any]] = []  # (-path prob, tie, parent index, token, location)
         tie = 0
 
         def push(parent: int, prob: float, at) -> None:

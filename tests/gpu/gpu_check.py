@@ -86,7 +86,8 @@ class Report:
                       "|---|---|---|---|---|---|"]
             for r in timings:
                 lines.append(f"| {r['backend']} | {r['method']} | {r.get('new_tokens', '-')} | "
-                             f"{r.get('tokens_per_s', 0):.1f} | {r.get('acceptance_length', 0):.2f} | {r.get('same', '-')} |")
+                             f"{r.get('tokens_per_s', 0):.1f} | {r.get('acceptance_length', 0):.2f} | "
+                             f"{r.get('same', '-')} |")
         (self.out / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -97,7 +98,8 @@ class Skip(Exception):
 def step_env():
     info = {"python": sys.version.split()[0], "platform": platform.platform()}
     try:
-        info["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        info["nvidia_smi"] = smi.stdout.strip()
     except Exception as exc:
         info["nvidia_smi"] = f"unavailable ({exc})"
     try:
@@ -128,7 +130,8 @@ def step_env():
             info[k] = __import__(k).__version__
         except Exception as exc:
             info[k] = f"unavailable ({type(exc).__name__})"
-    info["detail"] = f"{info.get('gpu', 'no GPU via libcudart')}; backends {info['backends']}; TensorRT: {info['tensorrt']}"
+    info["detail"] = (f"{info.get('gpu', 'no GPU via libcudart')}; backends {info['backends']}; "
+                      f"TensorRT: {info['tensorrt']}")
     return info
 
 
@@ -155,7 +158,8 @@ def step_check(export: Path):
     failed = [r.graph for r in results if not r.passed]
     lint_findings = lint.cli_report(export)
     return {"passed": not failed and not lint_findings, "graphs": [vars(r) for r in results],
-            "detail": f"ORT vs PyTorch: {len(results) - len(failed)}/{len(results)} pass; TensorRT lint findings: {lint_findings}"}
+            "detail": f"ORT vs PyTorch: {len(results) - len(failed)}/{len(results)} pass; "
+                      f"TensorRT lint findings: {lint_findings}"}
 
 
 def step_cudart(export: Path):
@@ -237,7 +241,8 @@ def step_torch(family: Path, export: Path, device: str = "cuda"):
     return {"passed": same and logit_diff < 1e-3, "torch_tokens": tokens, "ort_cpu_tokens": ort_tokens,
             "last_logits_max_abs_diff": logit_diff, "torch_tokens_per_s": NEW_TOKENS / torch_s, "torch_device": device,
             "detail": f"greedy {NEW_TOKENS} tokens identical: {same} (first difference at {first_diff}); "
-                      f"last-position logits max |diff| {logit_diff:.2e}; torch-{device} {NEW_TOKENS / torch_s:.0f} tokens/s"}
+                      f"last-position logits max |diff| {logit_diff:.2e}; "
+                      f"torch-{device} {NEW_TOKENS / torch_s:.0f} tokens/s"}
 
 
 def step_backends(export: Path):
@@ -252,7 +257,8 @@ def step_backends(export: Path):
             row = {"backend": backend, "method": method}
             try:
                 tokens, stats = _ort_greedy(export, backend, method)
-                row.update({k: stats.get(k) for k in ("new_tokens", "tokens_per_s", "acceptance_length", "kv_bytes_per_step")})
+                keys = ("new_tokens", "tokens_per_s", "acceptance_length", "kv_bytes_per_step")
+                row.update({k: stats.get(k) for k in keys})
                 reference.setdefault(method, tokens)
                 row["same"] = tokens == reference[method]
                 if not row["same"]:
@@ -263,7 +269,8 @@ def step_backends(export: Path):
             runs.append(row)
             print(f"[gpu-check]      {backend:8} {method:14} {row}", flush=True)
     return {"passed": not problems, "runs": runs, "problems": problems,
-            "detail": f"{len(runs)} runs over {backends}; " + ("; ".join(problems[:4]) or "all greedy outputs identical")}
+            "detail": f"{len(runs)} runs over {backends}; "
+                      + ("; ".join(problems[:4]) or "all greedy outputs identical")}
 
 
 def step_engines(export: Path):
@@ -280,7 +287,8 @@ def step_engines(export: Path):
     failed = [c.graph for c in checks if not c.passed]
     return {"passed": not failed, "build_s": build_s, "built": [vars(r) for r in results],
             "checks": [vars(c) for c in checks],
-            "detail": f"{len(results)} engines in {build_s:.0f}s; TensorRT vs ORT: {len(checks) - len(failed)}/{len(checks)} pass"}
+            "detail": f"{len(results)} engines in {build_s:.0f}s; "
+                      f"TensorRT vs ORT: {len(checks) - len(failed)}/{len(checks)} pass"}
 
 
 def main() -> int:

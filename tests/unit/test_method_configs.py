@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli
+
 from specdeploy.runtime.config import ExportConfig, load_export_config, to_dict, with_overrides
 from specdeploy.runtime.drafters.medusa import MedusaConfig
 from specdeploy.runtime.drafters.suffix import SuffixConfig

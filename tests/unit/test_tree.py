@@ -38,7 +38,8 @@ def test_shipped_tree_buffers_are_consistent(name):
 
 
 def test_tree_builder_rejects_malformed_trees():
-    for bad, what in [([[0, 1]], "prefix"), ([[0], [0]], "twice"), ([[-1]], "rank"), ([], "non-empty"), ([["a"]], "integer")]:
+    for bad, what in [([[0, 1]], "prefix"), ([[0], [0]], "twice"), ([[-1]], "rank"), ([], "non-empty"),
+                      ([["a"]], "integer")]:
         with pytest.raises(SpecDeployError, match=what):
             Tree.from_paths(bad)
     with pytest.raises(SpecDeployError, match="rank"):

@@ -34,4 +34,5 @@ def test_choose_tree_trades_acceptance_for_time():
     noisy = TimeModel([(1, 1e-3), (16, 3e-3), (27, 2e-3)])
     assert noisy.verify(27) >= noisy.verify(16) and noisy.verify(40) >= noisy.verify(27)
     # Greedy acceptance of recorded steps: the longest tree path along the actual ranks, plus the bonus.
-    assert empirical_expected_tokens([[0], [0, 0], [1]], [(0, 0, 2), (1, 0), (2,), ()]) == pytest.approx((3 + 2 + 1 + 1) / 4)
+    matched = [(0, 0, 2), (1, 0), (2,), ()]
+    assert empirical_expected_tokens([[0], [0, 0], [1]], matched) == pytest.approx((3 + 2 + 1 + 1) / 4)
