@@ -20,7 +20,6 @@ import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
-
 from protocol import serve
 
 GREEDY = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}

@@ -74,7 +74,7 @@ KERNELS = ("sum", "dot", "gemv")
 def _bandwidth_here(mib: int, threads: tuple[int, ...], trials: int) -> dict:
     """The measurement itself (run by `measure_bandwidth` in a child with single-threaded BLAS)."""
     from concurrent.futures import ThreadPoolExecutor
-    
+
     n = mib * 2**20 // 4
     buf = np.ones(n, np.float32)  # touched now, so no page fault lands in a timed loop
     cols = 4096

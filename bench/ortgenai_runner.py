@@ -11,7 +11,6 @@ import json
 
 import numpy as np
 import onnxruntime_genai as og
-
 from protocol import serve
 
 

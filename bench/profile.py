@@ -29,8 +29,8 @@ from .prompts import load_prompts, shipped_sets
 def profile(export_dir: Path, method: str, prompts: list[str], max_new_tokens: int, threads: int,
             top: int = 18) -> str:
     from ..runtime.backends import use_shared_threads
-    from ..runtime.loaded_export import LoadedExport
     from ..runtime.generate import generate
+    from ..runtime.loaded_export import LoadedExport
 
     use_shared_threads(threads)  # as the CLI, server and bench run
     export = LoadedExport(export_dir, backend="ort-cpu", threads=threads)

@@ -7,10 +7,17 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import BUILD
-from specdeploy.runtime.adaptive import (MAX_BACKOFF, MAX_CONFIGS, MIN_BACKOFF, AdaptivePolicy, Average, Memory,
-                                         Speculated)
+
+from specdeploy.runtime.adaptive import (
+    MAX_BACKOFF,
+    MAX_CONFIGS,
+    MIN_BACKOFF,
+    AdaptivePolicy,
+    Average,
+    Memory,
+    Speculated,
+)
 from specdeploy.runtime.methods import known_methods
 
 SPECULATIVE = [m for m in known_methods() if m != "ar"]
@@ -321,6 +328,7 @@ def test_global_switch_and_cli_flag(micro_all, monkeypatch):
     import json
 
     from conftest import run_cli
+
     from specdeploy.runtime.generate import Generation
 
     ids = micro_all.tokenizer.encode(PROMPTS[0])

@@ -7,7 +7,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import BUILD, hf_greedy, run_cli
 
 # The micro family repeats newlines after most prompts; this one makes it write varied
