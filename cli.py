@@ -61,7 +61,7 @@ def cmd_generate(args) -> int:
     from .runtime.backends import use_shared_threads
 
     use_shared_threads(args.threads)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.sampling)
     export = LoadedExport(args.out, backend=args.backend, flavor=args.graphs)
     if args.system is not None and args.chat is None:
         raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
@@ -186,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="sampling seed (default: a fresh one, reported in --json stats)")
+    g.add_argument("--sampling", choices=["seeded", "rejection"],
+                   help="seeded: every method emits ar's tokens for a seed; rejection: recursive rejection "
+                   "sampling (default: seeded, rejection for the draft model)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from .drafters.base import DecodeState, Drafter, Proposal
 from .errors import SpecDeployError
 from .loaded_export import LoadedExport
 from .methods import build_drafter
-from .sampling import SamplingParams
+from .sampling import PositionNoise, SamplingParams, fresh_seed
 from .tokenizer import IncrementalDecoder
 from .verify import verify
 
@@ -81,16 +82,23 @@ class Generation:
         self.target = export.decoder("target")
         self.stop = [s for s in (stop or []) if s]
         self.eos = set() if ignore_eos else export.eos_token_ids
-        self.state = DecodeState(list(prompt_ids), self.params, np.random.default_rng(self.params.seed))
+        # No seed: draw one, so every request samples the same way (runtime/sampling.py), and report it.
+        seed = fresh_seed() if self.params.seed is None else self.params.seed
+        scheme = "greedy" if self.params.greedy else (
+            self.params.sampling or getattr(self.drafter, "default_sampling", "seeded"))
+        self.state = DecodeState(list(prompt_ids), self.params, np.random.default_rng(seed),
+                                 noise=PositionNoise(seed) if scheme == "seeded" else None)
         self.prompt_len = len(prompt_ids)
         self.new_ids: list[int] = []
         self.text, self._shown = "", 0
         self._detok = IncrementalDecoder(export.tokenizer)
         self.finish_reason: str | None = None
         self._cancelled = False
-        self.stats = {"method": method, "new_tokens": 0, "target_calls": 0, "prefill_calls": 0,
-                      "accepted_drafts": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "host_s": 0.0,
-                      "adaptive": self.policy is not None, "spec_steps": 0, "plain_steps": 0}
+        self.stats: dict[str, Any] = {
+            "method": method, "new_tokens": 0, "target_calls": 0, "prefill_calls": 0,
+            "accepted_drafts": 0, "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "host_s": 0.0,
+            "adaptive": self.policy is not None, "spec_steps": 0, "plain_steps": 0,
+            "sampling": scheme, "seed": None if scheme == "greedy" else seed}
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -132,7 +140,8 @@ class Generation:
             out = target.forward(*proposal.packed(target.cache.length))  # tree rows first, then aux rows
             self.stats["verify_s"] += time.perf_counter() - tv
             self.stats["target_calls"] += 1
-            verdict = verify(tree, proposal.tokens, out.logits, self.params, state.rng, proposal.draft_probs)
+            verdict = verify(tree, proposal.tokens, out.logits, self.params, state.rng, proposal.draft_probs,
+                             state.noise, len(state.tokens) - 1)
             target.commit(out, verdict.path)
             accepted = [int(proposal.tokens[i]) for i in verdict.path[1:]] + [verdict.next_token]
             self.stats["accepted_drafts"] += verdict.accepted_drafts

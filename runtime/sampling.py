@@ -1,13 +1,24 @@
-"""Sampling parameters and the target/draft distributions they define."""
+"""Sampling parameters, the target/draft distributions they define, and the draws from them.
+
+Two schemes (SamplingParams.sampling):
+- "seeded": the token at absolute sequence index i is a deterministic function of its
+  distribution and noise(seed, i) (`PositionNoise`), so every method emits ar's tokens
+  for the same seed, whatever the drafts, tree, draft length or batching.
+- "rejection": one sequential rng per request; verification is recursive rejection
+  sampling (runtime/verify.py). Exact in distribution only.
+"""
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import SpecDeployError
+
+SCHEMES = ("seeded", "rejection")
 
 
 @dataclass(frozen=True)
@@ -16,6 +27,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0
     seed: int | None = None
+    sampling: str | None = None  # "seeded" | "rejection"; None: the method's default (Drafter.default_sampling)
 
     def __post_init__(self):
         t = self.temperature
@@ -28,6 +40,10 @@ class SamplingParams:
             raise SpecDeployError(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SpecDeployError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and self.seed >= 2**64:
+            raise SpecDeployError(f"seed must be below 2**64, got {self.seed!r}")
+        if self.sampling is not None and self.sampling not in SCHEMES:
+            raise SpecDeployError(f"sampling must be one of {', '.join(SCHEMES)}, got {self.sampling!r}")
 
     @property
     def greedy(self) -> bool:
@@ -55,3 +71,55 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Inverse-CDF draw; robust to rounding in the cumulative sum."""
     c = np.cumsum(p)
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
+
+
+def fresh_seed() -> int:
+    """A request without a seed draws one, so it samples like a seeded one (and can be replayed)."""
+    return secrets.randbits(63)
+
+
+def race(p: np.ndarray, e: np.ndarray) -> int:
+    """Exponential race (the Gumbel-max trick): argmin e_i / p_i, e_i ~ Exp(1) i.i.d., is
+    distributed exactly as p. Two distributions raced with the same e agree often. Tokens
+    outside the support (p_i = 0) score inf and never win."""
+    return int(np.argmin(np.divide(e, p, out=np.full(len(p), np.inf), where=p > 0)))
+
+
+class PositionNoise:
+    """The randomness of the token at absolute sequence index i: a function of (seed, i) alone.
+
+    Philox is counter-based: keyed by the seed, with i in the counter's third word, each index
+    has its own stream (draws advance the low words) and nothing carries over from earlier
+    draws. A draft model and the target read the same vector for the same index: kept until
+    verification passes the index (`release`), at most `keep` indices (a vector per index is
+    vocabulary-sized: 384 KiB at 49152 tokens).
+    """
+
+    def __init__(self, seed: int, keep: int = 64):
+        self.seed, self.keep = seed, keep
+        self._cache: dict[int, np.ndarray] = {}
+        self._bits = np.random.Philox(key=seed)
+        self._gen = np.random.Generator(self._bits)
+        self._state = self._bits.state  # reset per index: cheaper than a new generator
+
+    def exponentials(self, index: int, n: int) -> np.ndarray:
+        e = self._cache.get(index)
+        if e is None or len(e) < n:
+            self._state["state"]["counter"] = np.array([0, 0, index, 0], dtype=np.uint64)
+            self._state["buffer_pos"], self._state["has_uint32"] = 4, 0  # nothing buffered from the last index
+            self._bits.state = self._state
+            # 1 - u is exact and in (0, 1]. Doubles are drawn one after another: a prefix of a
+            # longer draw is the same draw.
+            e = -np.log(1.0 - self._gen.random(n))
+            self._cache[index] = e
+            if len(self._cache) > self.keep:
+                del self._cache[min(self._cache)]
+        return e[:n]
+
+    def release(self, below: int) -> None:
+        """Indices below `below` are committed: their noise is never read again."""
+        for index in [i for i in self._cache if i < below]:
+            del self._cache[index]
+
+    def sample(self, p: np.ndarray, index: int) -> int:
+        return race(p, self.exponentials(index, len(p)))

@@ -3,7 +3,16 @@
 Greedy: follow children whose token is the target's argmax; the bonus token is
 the argmax at the last accepted node. Token-identical to plain greedy decoding.
 
-Sampling (recursive rejection sampling over siblings), so the emitted tokens are
+Seeded sampling (the default): the same walk, with the target's own sample in place
+of the argmax: at node n, the token the target draws for sequence index
+root + depth(n) + 1 from its distribution there and that index's noise
+(sampling.PositionNoise). Token-identical to plain seeded sampling (`ar`), hence
+exactly the target's distribution. A deterministic draft x is accepted with
+probability p(x), siblings with p(x1) + p(x2) + ..., as under rejection sampling; a
+draft model that races the same noise (drafters/draft_model.py) agrees less often
+than rejection sampling's min(1, p/q) would accept (README: "Seed-exact sampling").
+
+Rejection sampling (recursive, over siblings), so the emitted tokens are
 distributed exactly as the target's own sampling distribution:
 - sampled drafts (a child drawn from a draft distribution q): accept x with
   min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)).
@@ -19,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import SamplingParams, sample
+from .sampling import PositionNoise, SamplingParams, sample
 from .tree import Tree
 
 
@@ -33,15 +42,28 @@ class Verdict:
         return len(self.path) - 1
 
 
-def verify_greedy(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> Verdict:
+def _follow(tree: Tree, tokens: np.ndarray, target_token) -> Verdict:
+    """Accept the child whose token is the target's own choice at its parent, while there is one."""
     node, path = 0, [0]
     while True:
-        best = int(np.argmax(logits[node]))
-        nxt = next((c for c in tree.children[node] if tokens[c] == best), None)
+        want = target_token(node)
+        nxt = next((c for c in tree.children[node] if tokens[c] == want), None)
         if nxt is None:
-            return Verdict(path, best)
+            return Verdict(path, want)
         node = nxt
         path.append(node)
+
+
+def verify_greedy(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> Verdict:
+    return _follow(tree, tokens, lambda node: int(np.argmax(logits[node])))
+
+
+def verify_seeded(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams,
+                  noise: PositionNoise, root: int) -> Verdict:
+    """`root`: the root's absolute sequence index (the committed length minus one)."""
+    noise.release(root + 1)  # committed indices: drafts and verification only read later ones
+    depth = tree.depth
+    return _follow(tree, tokens, lambda node: noise.sample(params.probs(logits[node]), root + 1 + int(depth[node])))
 
 
 def verify_sampling(
@@ -81,7 +103,11 @@ def verify_sampling(
             return Verdict(path, sample(p, rng))
 
 
-def verify(tree, tokens, logits, params: SamplingParams, rng, draft_probs=None) -> Verdict:
+def verify(tree, tokens, logits, params: SamplingParams, rng, draft_probs=None,
+           noise: PositionNoise | None = None, root: int = 0) -> Verdict:
+    """Greedy, else seeded when given the request's noise (draft_probs unused), else rejection sampling."""
     if params.greedy:
         return verify_greedy(tree, tokens, logits)
+    if noise is not None:
+        return verify_seeded(tree, tokens, logits, params, noise, root)
     return verify_sampling(tree, tokens, logits, params, rng, draft_probs)

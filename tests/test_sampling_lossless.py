@@ -1,9 +1,11 @@
-"""Speculative sampling reproduces the target's own sampling distribution.
+"""Speculative sampling reproduces the target's own sampling distribution, in both schemes.
 
 Exact reference: the target's joint distribution of the first two new tokens
 (under temperature/top-k), computed from its logits. A wrong residual (sampling
 from p instead of norm(max(0, p - q)) after a rejection) or a wrong bonus token
-shifts these frequencies far beyond the chi-square threshold used here.
+shifts these frequencies far beyond the chi-square threshold used here. (Seeded
+sampling is also token-identical to ar's: tests/test_seed_exact.py; its draws at two
+positions are independent: tests/unit/test_sampling.py.)
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from specdeploy.runtime.sampling import SamplingParams, sample
+from specdeploy.runtime.sampling import PositionNoise, SamplingParams, sample
 from specdeploy.runtime.tree import Tree
-from specdeploy.runtime.verify import verify_sampling
+from specdeploy.runtime.verify import verify_sampling, verify_seeded
 
 RUNS = 1500
 
@@ -51,8 +53,11 @@ def chi_square_pvalue(samples, dist):
     return chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
-@pytest.mark.parametrize("method,overrides", [("draft", {"k": 1}), ("draft", {"k": 4}), ("ar", None)])
-def test_speculative_sampling_matches_target_distribution(micro_export, method, overrides):
+@pytest.mark.parametrize("method,overrides,scheme", [
+    ("draft", {"k": 1}, "rejection"), ("draft", {"k": 4}, "rejection"), ("ar", None, "rejection"),
+    ("draft", {"k": 4}, "seeded"), ("ar", None, "seeded"),
+])
+def test_speculative_sampling_matches_target_distribution(micro_export, method, overrides, scheme):
     from specdeploy.runtime.generate import generate
     from specdeploy.runtime.loaded_export import LoadedExport
 
@@ -62,31 +67,39 @@ def test_speculative_sampling_matches_target_distribution(micro_export, method, 
     dist = exact_two_token_dist(export, ids, params)
     samples = []
     for seed in range(RUNS):
-        p = SamplingParams(temperature=1.3, top_k=6, seed=seed)
-        r = generate(export, ids, method=method, params=p, max_new_tokens=2, ignore_eos=True, method_overrides=overrides)
+        p = SamplingParams(temperature=1.3, top_k=6, seed=seed, sampling=scheme)
+        r = generate(export, ids, method=method, params=p, max_new_tokens=2, ignore_eos=True,
+                     method_overrides=overrides)
+        assert r.stats["sampling"] == scheme
         samples.append(tuple(r.token_ids))
     assert chi_square_pvalue(samples, dist) > 1e-3
 
 
-def _tree_sample_freqs(tree, tokens, logits, params, draft_probs, runs, seed):
+def _tree_sample_freqs(tree, tokens, logits, params, draft_probs, runs, seed, seeded=False):
     rng = np.random.default_rng(seed)
     firsts = np.zeros(logits.shape[1])
-    for _ in range(runs):
-        v = verify_sampling(tree, tokens, logits, params, rng, draft_probs)
+    for run in range(runs):
+        if seeded:  # one request per run: its own seed
+            v = verify_seeded(tree, tokens, logits, params, PositionNoise(seed * runs + run), root=11)
+        else:
+            v = verify_sampling(tree, tokens, logits, params, rng, draft_probs)
         emitted = [int(tokens[i]) for i in v.path[1:]] + [v.next_token]
         firsts[emitted[0]] += 1
     return firsts / runs
 
 
-def test_tree_rejection_sampling_is_lossless_for_deterministic_siblings():
-    """Medusa/lookahead-style trees: several top-k siblings, no draft distribution."""
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
+def test_tree_sampling_is_lossless_for_deterministic_siblings(seeded):
+    """Medusa/lookahead-style trees: several top-k siblings, no draft distribution. Seeded accepts
+    some sibling exactly as often as rejection sampling: p(2) + p(4) + p(5)."""
     rng = np.random.default_rng(0)
     vocab = 6
     logits = rng.normal(size=(4, vocab)) * 1.5
     tree = Tree(parents=(-1, 0, 0, 0))
     tokens = np.array([0, 2, 4, 5])  # three deterministic candidates under the root
     params = SamplingParams(temperature=1.0)
-    freqs = _tree_sample_freqs(tree, tokens, logits, params, None, 20000, 1)
+    runs = 20000
+    freqs = _tree_sample_freqs(tree, tokens, logits, params, None, runs, 1, seeded)
     p = params.probs(logits[0])
     assert np.abs(freqs - p).max() < 0.015
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..decoder import StepOutput
-from ..sampling import SamplingParams
+from ..sampling import PositionNoise, SamplingParams
 from ..tree import Tree
 from ..verify import Verdict
 
@@ -54,8 +54,9 @@ class Proposal:
 class DecodeState:
     tokens: list[int]  # prompt + everything committed; tokens[-1] is the root
     params: SamplingParams
-    rng: np.random.Generator
+    rng: np.random.Generator  # rejection sampling's sequential stream
     stats: dict = field(default_factory=dict)
+    noise: PositionNoise | None = None  # seeded sampling (when sampling): noise per sequence index
 
 
 class Drafter:
@@ -63,6 +64,9 @@ class Drafter:
 
     name = "ar"
     deterministic = True  # proposals carry no draft_probs
+    # A request's sampling scheme when SamplingParams.sampling is None. Seeded accepts a
+    # deterministic draft exactly as often as rejection sampling does, and is seed-exact.
+    default_sampling = "seeded"
 
     def prefilled(self, target_out: StepOutput) -> None:
         """One chunk of the prompt's target prefill (before start()); EAGLE keeps its features."""

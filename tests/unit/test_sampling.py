@@ -1,5 +1,6 @@
 """Sampling parameters and the distributions they define (runtime/sampling.py): validation is one
-clear error, temperature then top-k then top-p, and the inverse-CDF draw stays in the support."""
+clear error, temperature then top-k then top-p, the inverse-CDF draw stays in the support, and the seeded
+draw (noise per (seed, index), an exponential race) is exactly the distribution and couples two of them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from specdeploy.runtime.errors import SpecDeployError
-from specdeploy.runtime.sampling import SamplingParams, sample
+from specdeploy.runtime.sampling import PositionNoise, SamplingParams, race, sample
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -43,3 +44,71 @@ def test_sample_stays_in_the_support_and_follows_p():
     p = np.array([0.0, 0.25, 0.0, 0.75, 0.0])
     draws = np.bincount([sample(p, rng) for _ in range(4000)], minlength=5)
     assert draws[[0, 2, 4]].sum() == 0 and abs(draws[3] / 4000 - 0.75) < 0.03
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"seed": 2**64}, "seed must be below 2**64"),
+    ({"sampling": "gumbel"}, "sampling must be one of seeded, rejection"),
+])
+def test_bad_seed_or_scheme_is_one_clear_error(kwargs, needle):
+    with pytest.raises(SpecDeployError) as err:
+        SamplingParams(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_position_noise_depends_on_seed_and_index_alone():
+    a = PositionNoise(7, keep=2)
+    first = {i: a.exponentials(i, 50).copy() for i in (30, 4, 1000)}  # out of order, evicting
+    b = PositionNoise(7)
+    for i in (1000, 4, 30):
+        np.testing.assert_array_equal(b.exponentials(i, 50), first[i])
+        np.testing.assert_array_equal(PositionNoise(7).exponentials(i, 80)[:50], first[i])  # a longer draw: a prefix
+    assert not np.array_equal(PositionNoise(8).exponentials(4, 50), first[4])
+    assert not np.array_equal(first[4], first[30])
+    assert (first[4] > 0).all() and np.isfinite(first[4]).all()
+    assert PositionNoise(2**64 - 1).exponentials(0, 3).shape == (3,)
+
+
+def test_seeded_draw_is_exactly_the_distribution():
+    """One draw per (seed, index), as generation makes them: frequencies follow p (chi-square),
+    and a token outside the support (top-k/top-p zeros) never wins."""
+    from scipy.stats import chisquare
+
+    p = np.array([0.0, 0.05, 0.3, 0.0, 0.15, 0.01, 0.49, 0.0])
+    draws = [PositionNoise(seed).sample(p, index) for seed in range(400) for index in (0, 17, 4095, 10**9, 2**40)]
+    counts = np.bincount(draws, minlength=len(p))
+    assert counts[p == 0].sum() == 0
+    assert chisquare(counts[p > 0], p[p > 0] * len(draws)).pvalue > 1e-3
+
+
+def test_draws_at_neighbouring_positions_are_independent():
+    """The joint of the draws at indices i and i+1 of one seed is the product of their
+    distributions (shared noise would make equal distributions draw equal tokens)."""
+    from scipy.stats import chisquare
+
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    pairs = [(PositionNoise(seed).sample(p, 9), PositionNoise(seed).sample(p, 10)) for seed in range(3000)]
+    counts = np.bincount([4 * a + b for a, b in pairs], minlength=16)
+    assert chisquare(counts, np.outer(p, p).ravel() * len(pairs)).pvalue > 1e-3
+
+
+def test_racing_the_same_noise_couples_two_distributions():
+    """A draft racing q with the target's noise agrees with the target's draw from p at least
+    (1 - TV) / (1 + TV) of the time (the Gumbel-max coupling); independent draws agree far less."""
+    rng = np.random.default_rng(3)
+    p = rng.dirichlet(np.ones(50) * 0.3)
+    q = 0.7 * p + 0.3 * rng.dirichlet(np.ones(50) * 0.3)
+    tv = 0.5 * np.abs(p - q).sum()
+    runs = 4000
+    same = sum(race(p, e) == race(q, e) for e in (PositionNoise(s).exponentials(0, 50) for s in range(runs)))
+    independent = sum(sample(p, rng) == sample(q, rng) for _ in range(runs))
+    assert same / runs > (1 - tv) / (1 + tv) - 0.02
+    assert same > 2 * independent
+
+
+def test_released_noise_is_forgotten_and_drawn_again_the_same():
+    noise = PositionNoise(5)
+    kept = {i: noise.exponentials(i, 8).copy() for i in range(10, 20)}
+    noise.release(15)
+    assert sorted(noise._cache) == list(range(15, 20))
+    np.testing.assert_array_equal(noise.exponentials(12, 8), kept[12])

@@ -1,0 +1,109 @@
+"""Seed-exact sampling: with the same seed every method emits `ar`'s tokens, whatever its drafts,
+draft length or tree, because the token at sequence index i is a function of its distribution and
+noise(seed, i) alone (runtime/sampling.py: PositionNoise, runtime/verify.py: verify_seeded).
+
+That the seeded draw is exactly the target's distribution: tests/unit/test_sampling.py (the draw)
+and tests/test_sampling_lossless.py (the first two tokens of generations over many seeds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from specdeploy.runtime.sampling import SamplingParams
+
+SEEDS = range(50)
+NEW = 12
+PARAMS = [dict(temperature=0.7, top_k=20), dict(temperature=1.0, top_p=0.9)]
+PROMPT = "def foo(x):\n    return"
+# Every method on the micro export, and other draft lengths and trees than the export's.
+CASES = [("draft", None), ("draft", {"k": 1}), ("draft", {"k": 3}),
+         ("prompt-lookup", None), ("prompt-lookup", {"k": 2}),
+         ("lookahead", None), ("lookahead", {"window": 2, "ngram": 3, "guesses": 3}),
+         ("suffix", None),
+         ("eagle", None), ("eagle", {"mode": "eagle1", "tree": "medusa_cpu_8"}),
+         ("eagle", {"top_k": 3, "depth": 3, "total_tokens": 14}),
+         ("medusa", None), ("medusa", {"tree": "medusa_cpu_4"}), ("medusa", {"tree": ((0,), (0, 0), (0, 0, 0))})]
+
+
+@pytest.fixture(scope="module")
+def micro_all(micro_family, tmp_path_factory):
+    """The micro target exported with every method: draft model, Medusa heads and EAGLE head."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.train.eagle import build_eagle_head
+    from specdeploy.train.medusa import build_medusa_heads
+
+    quiet = lambda m: None  # noqa: E731
+    build_medusa_heads(micro_family, "micro", progress=quiet)
+    build_eagle_head(micro_family, "micro", progress=quiet)
+    out = export_all(micro_family / "target", tmp_path_factory.mktemp("seed_exact") / "micro",
+                     draft=micro_family / "draft", medusa=micro_family / "medusa", eagle=micro_family / "eagle",
+                     progress=quiet)
+    return LoadedExport(out)
+
+
+def _ids(export, method, params, ids, overrides=None):
+    from specdeploy.runtime.generate import generate
+
+    r = generate(export, ids, method=method, params=params, max_new_tokens=NEW, ignore_eos=True,
+                 method_overrides=overrides)
+    return r.token_ids, r.stats
+
+
+@pytest.mark.parametrize("kw", PARAMS, ids=["T0.7-topk20", "T1.0-topp0.9"])
+def test_every_method_emits_ars_tokens_for_every_seed(micro_all, kw):
+    ids = micro_all.tokenizer.encode(PROMPT)
+    accepted = {}
+    for seed in SEEDS:
+        want, _ = _ids(micro_all, "ar", SamplingParams(**kw, seed=seed), ids)
+        for method, overrides in CASES:
+            # The draft model defaults to rejection sampling (more accepted drafts): ask for seeded.
+            got, stats = _ids(micro_all, method, SamplingParams(**kw, seed=seed, sampling="seeded"), ids, overrides)
+            assert got == want, (method, overrides, seed)
+            assert stats["sampling"] == "seeded"
+            key = (method, repr(overrides))
+            accepted[key] = accepted.get(key, 0) + stats["accepted_drafts"]
+    drafting = [k for k, n in accepted.items() if n > 0]
+    assert {m for m, _ in drafting} >= {"draft", "eagle", "medusa"}, accepted  # the drafts were really used
+
+
+def test_rejection_sampling_is_exact_in_distribution_only(micro_all):
+    """Why the seeded scheme exists: the same seed under rejection sampling gives other tokens than ar."""
+    ids = micro_all.tokenizer.encode(PROMPT)
+    differs = 0
+    for seed in range(10):
+        want, _ = _ids(micro_all, "ar", SamplingParams(1.0, seed=seed, sampling="rejection"), ids)
+        got, _ = _ids(micro_all, "draft", SamplingParams(1.0, seed=seed, sampling="rejection"), ids)
+        differs += got != want
+    assert differs > 0
+
+
+def test_defaults_and_a_drawn_seed_replays(micro_all):
+    ids = micro_all.tokenizer.encode(PROMPT)
+    _, stats = _ids(micro_all, "eagle", SamplingParams(1.0, seed=3), ids)
+    assert stats["sampling"] == "seeded" and stats["seed"] == 3
+    _, stats = _ids(micro_all, "draft", SamplingParams(1.0, seed=3), ids)
+    assert stats["sampling"] == "rejection"  # the draft model's default, chosen by acceptance (README)
+    _, stats = _ids(micro_all, "ar", SamplingParams(), ids)
+    assert stats["sampling"] == "greedy" and stats["seed"] is None
+    # No seed: one is drawn per request and reported; passing it back replays the request on any method.
+    first, stats = _ids(micro_all, "medusa", SamplingParams(1.0), ids)
+    other, stats2 = _ids(micro_all, "medusa", SamplingParams(1.0), ids)
+    assert stats["seed"] != stats2["seed"]
+    assert _ids(micro_all, "ar", SamplingParams(1.0, seed=stats["seed"]), ids)[0] == first
+    assert _ids(micro_all, "lookahead", SamplingParams(1.0, seed=stats2["seed"]), ids)[0] == other
+
+
+def test_cli_generate_is_seed_exact(micro_all):
+    out = {}
+    for method in ["ar", "eagle", "draft"]:
+        r = run_cli("generate", micro_all.manifest.root, "--method", method, "--prompt", PROMPT,
+                    "--max-new-tokens", NEW, "--ignore-eos", "--temperature", 0.9, "--top-k", 30, "--seed", 11,
+                    "--sampling", "seeded", "--json")
+        assert r.returncode == 0, r.stderr
+        out[method] = json.loads(r.stdout)["token_ids"]
+    assert out["eagle"] == out["ar"] == out["draft"]
