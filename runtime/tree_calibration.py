@@ -6,10 +6,16 @@ to the result; the drafters know nothing of either.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .drafters.base import DecodeState, Drafter, Proposal
 from .tree_tuning import AcceptanceStats, Calibration
+
+if TYPE_CHECKING:  # the drafters' modules reach this one through the method registry
+    from .drafters.eagle import EagleDrafter
+    from .drafters.medusa import MedusaDrafter
 
 
 class ObservedDrafter(Drafter):
@@ -48,6 +54,8 @@ def _run(export, ids: list[int], method: str, max_new_tokens: int, drafter: Draf
 class MedusaRecorder(ObservedDrafter):
     """Every accepted node's hidden state is that sequence position's: records what the heads
     would propose there, as (sequence index, candidates [heads, top_k])."""
+
+    inner: MedusaDrafter
 
     def __init__(self, inner):
         super().__init__(inner)
@@ -90,7 +98,8 @@ def calibrate_medusa(export, prompts: list[list[int]], max_new_tokens: int) -> C
         plain = _run(export, ids, "medusa", max_new_tokens)
         steps += plain.stats["target_calls"]
         side_s += plain.stats["draft_s"] + plain.stats["host_s"]
-    return Calibration(stats, matched, side_s / max(steps, 1), [list(p) for p in config.tree_paths.paths])
+    assert stats is not None  # tune() refuses an empty prompt list
+    return Calibration(stats, matched, side_s / max(steps, 1), [list(p) for p in config.resolved.paths])
 
 
 # ---------------------------------------------------------------- EAGLE
@@ -100,6 +109,8 @@ class EagleRecorder(ObservedDrafter):
     """Drafts as the wrapped EAGLE drafter does; after each catch-up it also walks the true path
     (`teacher`: the whole greedy output, known in advance) through the head and records the
     ranks of the true next tokens in its top-k, up to `depths` levels (cut at the first miss)."""
+
+    inner: EagleDrafter
 
     def __init__(self, inner, teacher: list[int], depths: int):
         super().__init__(inner)
@@ -165,4 +176,5 @@ def calibrate_eagle(export, prompts: list[list[int]], max_new_tokens: int) -> Ca
                 stats.trials[len(ranks)] += 1  # tried, and the true token was not among the top-k
             matched.append(ranks)
     current = [list(p) for p in config.tree_paths.paths] if config.tree_paths else []
+    assert stats is not None  # tune() refuses an empty prompt list
     return Calibration(stats, matched, side_s / max(steps, 1), current)

@@ -86,7 +86,7 @@ def greedy_order(rates: np.ndarray, max_nodes: int) -> list[tuple[tuple[int, ...
     depths, ranks = rates.shape
     order: list[tuple[tuple[int, ...], float]] = []
     # Max-heap on probability; ties go to shallower, then lower ranks (parents before children).
-    heap = [(-float(rates[0, r]), 1, (r,)) for r in range(ranks)]
+    heap: list[tuple[float, int, tuple[int, ...]]] = [(-float(rates[0, r]), 1, (r,)) for r in range(ranks)]
     heapq.heapify(heap)
     while heap and len(order) < max_nodes:
         neg_p, depth, path = heapq.heappop(heap)
@@ -116,7 +116,9 @@ def choose_tree(rates: np.ndarray, time_model, max_nodes: int = 64) -> TreeChoic
     if rates.ndim != 2 or rates.size == 0 or not np.all((0 <= rates) & (rates <= 1)):
         raise SpecDeployError("tree tuning: acceptance rates must be a non-empty [depths, ranks] array in [0, 1]")
     order = greedy_order(rates, max_nodes)
-    best, curve, expected = None, [], 1.0
+    best: tuple[int, float, float, float] | None = None
+    curve: list[dict] = []
+    expected = 1.0
     # Size 0 (plain decoding) is a candidate too: the tree must pay for itself.
     for n in range(0, len(order) + 1):
         if n:
@@ -127,6 +129,9 @@ def choose_tree(rates: np.ndarray, time_model, max_nodes: int = 64) -> TreeChoic
                       "tokens_per_s": round(rate, 2)})
         if n and (best is None or rate > best[2]):
             best = (n, expected, rate, step)
+    assert best is not None or not order  # size 1 onwards always sets it
+    if best is None:
+        return TreeChoice([], 1.0, 0.0, 0.0, curve)
     n, expected, rate, step = best
     return TreeChoice([list(p) for p, _ in order[:n]], expected, step, rate, curve)
 
@@ -192,7 +197,9 @@ def tune(export, method: str, prompts: list[list[int]], max_new_tokens: int = 64
     if not prompts:
         raise SpecDeployError("tune-tree: no calibration prompts")
     start = time.perf_counter()
-    cal = method_spec(method).calibrate(export, prompts, max_new_tokens)
+    calibrate = method_spec(method).calibrate
+    assert calibrate is not None  # tunable_methods() lists only methods with the hook
+    cal = calibrate(export, prompts, max_new_tokens)
     progress(f"[tune-tree] {len(cal.matched)} calibration positions from {len(prompts)} prompts "
              f"({time.perf_counter() - start:.1f}s)")
     decoder = export.decoder("target")
@@ -243,9 +250,10 @@ def read_prompts_file(path) -> list[str]:
     if not isinstance(items, list):
         raise SpecDeployError(f"prompts file {path}: expected a list of strings")
     prompts = [item.get("prompt") if isinstance(item, dict) else item for item in items]
-    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+    texts = [p for p in prompts if isinstance(p, str) and p]
+    if not texts or len(texts) != len(prompts):
         raise SpecDeployError(f"prompts file {path}: expected non-empty strings (or objects with a 'prompt')")
-    return prompts
+    return texts
 
 
 def write_tree(path, method: str, result: dict) -> None:

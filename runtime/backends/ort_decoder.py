@@ -73,7 +73,7 @@ class OrtDecoder(Decoder):
 
     def _run(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
         graph = self.graphs[t]
-        if self.fused:
+        if isinstance(graph, InPlaceGraph):  # fused: KV and small inputs are bound once
             feeds[PAST_LENGTH][0] = self.cache.length
             # The outputs are the graph's bound arrays, reused next call: copy the real rows.
             out = {k: v[0, :n].copy() for k, v in graph.run().items()}

@@ -93,7 +93,10 @@ class EagleConfig:
 
     @property
     def verify_tokens(self) -> int:
-        return len(self.tree_paths.paths) + 1 if self.mode == "eagle1" else self.total_tokens + 1
+        if self.mode == "eagle1":
+            assert self.tree_paths is not None  # eagle1 always resolves its tree in __post_init__
+            return len(self.tree_paths.paths) + 1
+        return self.total_tokens + 1
 
 
 def build(export, config: EagleConfig) -> EagleDrafter:
@@ -303,6 +306,7 @@ class EagleDrafter(Drafter):
 
     def _grow_static(self, root: int, first, committed: int) -> Proposal:
         tree, width = self.tree, self.head.spec.hidden_size
+        assert tree is not None  # only eagle1 grows a static tree
         rows = sum(len(lv.nodes) for lv in self.levels)
         if not self._room(committed + rows, max((self.head.graph_for(len(lv.nodes), width) for lv in self.levels),
                                                 default=0)):

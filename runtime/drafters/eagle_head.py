@@ -70,8 +70,10 @@ class EagleHeadRunner(StaticDecoder):
         self.graphs: dict[int, dict[int, OrtGraph | InPlaceGraph]] = {}  # feature width -> T -> graph
         for g in manifest.graphs_of(EAGLE_DRAFT, EAGLE, FUSED if self.fused else PORTABLE):
             path = manifest.graph_path(g)
+            assert g.features is not None  # every EAGLE draft graph records its feature width
             self.graphs.setdefault(g.features, {})[g.tokens] = (  # fused: one session per width, a binding per T
-                InPlaceGraph(path, threads, buffers, g.tokens) if self.fused else OrtGraph(path, backend, threads))
+                InPlaceGraph(path, threads, buffers, g.tokens) if buffers is not None
+                else OrtGraph(path, backend, threads))
         for width in {self.feature_dim, spec.hidden_size}:
             if width not in self.graphs:
                 raise SpecDeployError(f"export has no EAGLE draft graph reading {width}-wide features (re-export)")

@@ -118,9 +118,9 @@ class LookaheadDrafter(Drafter):
         cands = self.pool.get(root)
         if self.suffix_match:
             # prompt lookup with a 2+ token suffix: more precise than the pool's 1-token key
-            match = find_continuation(np.asarray(state.tokens, dtype=np.int64), self.n - 1, SUFFIX_MAX, 2)
-            if len(match) == self.n - 1:
-                match = tuple(match.tolist())
+            found = find_continuation(np.asarray(state.tokens, dtype=np.int64), self.n - 1, SUFFIX_MAX, 2)
+            if len(found) == self.n - 1:
+                match = tuple(int(t) for t in found)
                 cands = [match] + [c for c in cands if c != match]
         tree, tokens = trie(root, cands[: self.g])
         s = tree.size

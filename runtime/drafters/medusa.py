@@ -68,8 +68,14 @@ class MedusaConfig:
         object.__setattr__(self, "tree_paths", resolved)
 
     @property
+    def resolved(self) -> TreePaths:
+        """The tree `__post_init__` resolved (always set once the config exists)."""
+        assert self.tree_paths is not None
+        return self.tree_paths
+
+    @property
     def verify_tokens(self) -> int:
-        return len(self.tree_paths.paths) + 1
+        return len(self.resolved.paths) + 1
 
 
 def build(export, config: MedusaConfig) -> MedusaDrafter:
@@ -99,11 +105,11 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeadsGraph, config: MedusaConfig):
         self.heads = heads
-        self.tree = config.tree_paths.tree()
+        self.tree = config.resolved.tree()
         depth = int(self.tree.depth.max())
         if depth > heads.num_heads or config.top_k > heads.top_k:
             raise SpecDeployError(
-                f"medusa tree {config.tree_paths.name!r} needs {depth} heads and top-{config.top_k} "
+                f"medusa tree {config.resolved.name!r} needs {depth} heads and top-{config.top_k} "
                 f"candidates; this export's heads graph has {heads.num_heads} heads and top-{heads.top_k} "
                 "(re-export with this tree)")
         # Node i's token is candidate ranks[i] of head depth[i] - 1.

@@ -98,7 +98,7 @@ class SuffixDrafter(Drafter):
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
         new = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus token
-        if self.cache is not None:
+        if self.cache is not None and self.seq is not None:
             self.cache.extend(self.seq, new)
         else:
             self.local.extend(0, new)
