@@ -279,8 +279,11 @@ class _StandInContext:
 
     def execute_async_v3(self, stream):
         io = self.engine.session.io_binding()
+        tokens = self.shapes.get("input_ids", self.engine.get_tensor_shape("input_ids"))[1]
         for name, is_input, _, _ in self.engine.io:
             shape = self.shapes.get(name, self.engine.get_tensor_shape(name))
+            if not is_input:  # TensorRT infers outputs' dynamic dims (batch 1, T) from the inputs
+                shape = (1, tokens, *shape[2:])
             if -1 in shape:
                 return False  # a dynamic input without a shape: TensorRT refuses too
             bind = io.bind_input if is_input else io.bind_output
