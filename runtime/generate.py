@@ -35,7 +35,8 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, "stats": self.stats}
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats}
 
 
 def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -66,9 +67,10 @@ class Generation:
     decodes plainly while speculating is measured slower (runtime/adaptive.py); None: on,
     unless the environment sets SPECDEPLOY_ADAPTIVE=0."""
 
-    def __init__(self, export: LoadedExport, prompt_ids: list[int], method: str = "ar", params: SamplingParams | None = None,
-                 max_new_tokens: int = 64, stop: list[str] | None = None, ignore_eos: bool = False,
-                 method_overrides: dict | None = None, drafter: Drafter | None = None, adaptive: bool | None = None):
+    def __init__(self, export: LoadedExport, prompt_ids: list[int], method: str = "ar",
+                 params: SamplingParams | None = None, max_new_tokens: int = 64, stop: list[str] | None = None,
+                 ignore_eos: bool = False, method_overrides: dict | None = None, drafter: Drafter | None = None,
+                 adaptive: bool | None = None):
         self.params = params or SamplingParams()
         validate_request(export, list(prompt_ids), max_new_tokens)
         self.export, self.method, self.max_new = export, method, max_new_tokens

@@ -126,7 +126,8 @@ def test_engine_from_other_tensorrt_or_gpu_or_missing_is_stale(export_copy):
     digest = file_digests(export_copy)
     assert stale_reasons(export_copy, rec, digest, **identity) == []
     assert "TensorRT 10.99.0" in stale_reasons(export_copy, rec, digest, **{**identity, "tensorrt": "11.4.0"})[0]
-    assert "compute 9.0" in stale_reasons(export_copy, rec, digest, **{**identity, "gpu": "B", "compute_capability": "10.0"})[0]
+    other_gpu = {**identity, "gpu": "B", "compute_capability": "10.0"}
+    assert "compute 9.0" in stale_reasons(export_copy, rec, digest, **other_gpu)[0]
     (export_copy / rec["file"]).write_bytes(b"truncated")
     assert "changed" in stale_reasons(export_copy, rec, digest)[0]
     (export_copy / rec["file"]).unlink()
@@ -216,9 +217,9 @@ def test_ort_iobinding_decoder_matches_plain_decoder(micro_export):
 
 
 def test_generation_unchanged_on_iobinding_decoder(micro_export):
+    from specdeploy.runtime.backends.ort_bound import OrtBoundDecoder
     from specdeploy.runtime.generate import Generation
     from specdeploy.runtime.loaded_export import LoadedExport
-    from specdeploy.runtime.backends.ort_bound import OrtBoundDecoder
 
     class BoundExport(LoadedExport):  # the generator sees a device-resident decoder, nothing else changes
         def _open_decoder(self, model):
@@ -226,8 +227,8 @@ def test_generation_unchanged_on_iobinding_decoder(micro_export):
 
     prompt = [1, 17, 42, 99, 7, 17, 42]
     for method in ("ar", "draft"):
-        plain = Generation(LoadedExport(micro_export, "ort-cpu", flavor="portable"), prompt, method=method, max_new_tokens=24,
-                           ignore_eos=True).result()
+        plain = Generation(LoadedExport(micro_export, "ort-cpu", flavor="portable"), prompt, method=method,
+                           max_new_tokens=24, ignore_eos=True).result()
         bound = Generation(BoundExport(micro_export, "ort-cpu"), prompt, method=method, max_new_tokens=24,
                            ignore_eos=True).result()
         assert bound.token_ids == plain.token_ids, method
