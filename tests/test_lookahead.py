@@ -247,7 +247,7 @@ def test_lookahead_too_big_for_max_context_fails_before_export(micro_family, tmp
     from specdeploy.export.exporter import export_all
 
     cfg = tmp_path / "big.yaml"
-    cfg.write_text("max_context: 64\nmethods:\n  lookahead: {window: 20, ngram: 4, guesses: 5}\n")
+    cfg.write_text("max_context: 64\nprefill_chunk: 16\nmethods:\n  lookahead: {window: 20, ngram: 4, guesses: 5}\n")
     out = tmp_path / "out"
     with pytest.raises(SpecDeployError) as err:
         export_all(micro_family / "target", out, config=cfg, progress=lambda m: None)
