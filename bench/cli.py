@@ -81,7 +81,8 @@ def cmd_bench(args) -> int:
         peers=_list(args.peers, PEERS, "peer"), prompt_files=files, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
         threads=args.threads, seed=args.seed, peers_dir=args.peers_dir or peers.DEFAULT_PEERS_DIR,
-        measure_bandwidth=not args.no_bandwidth, bandwidth_mib=args.bandwidth_mib, ort_spinning=args.ort_spinning, command=_command(args))
+        measure_bandwidth=not args.no_bandwidth, bandwidth_mib=args.bandwidth_mib, ort_spinning=args.ort_spinning,
+        command=_command(args))
     result = run_bench(opts)
     plot_path = report.plot(result, args.plot) if args.plot else None
     if args.json:

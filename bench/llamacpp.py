@@ -113,8 +113,8 @@ def write_gguf(hf_dir: str | Path, tokenizer_gguf: str | Path, out: str | Path, 
         raise PeerUnavailable(f"write_gguf maps {', '.join(SUPPORTED)} models, not {cfg.get('model_type')!r}")
     if cfg.get("rope_scaling") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise PeerUnavailable("write_gguf does not map rope scaling or biases")
-    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"], \
-        cfg["hidden_size"]
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
     layers = cfg["num_hidden_layers"]
     weights = {}

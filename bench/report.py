@@ -159,7 +159,8 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               f"- CPU: {mach['cpu']}, {mach['cores']} cores ({mach['usable_cores']} usable), "
               f"last-level cache {mach.get('llc') or '?'}",
               f"- memory: {mach['memory_gib']} GiB",
-              f"- load average (1/5/15 min) at start {_load(mach.get('load_start'))}, at end {_load(mach.get('load_end'))} "
+              f"- load average (1/5/15 min) at start {_load(mach.get('load_start'))}, "
+              f"at end {_load(mach.get('load_end'))} "
               f"on {mach['usable_cores']} cores: the cores are shared with whatever else runs (above "
               f"{mach['usable_cores']}, processes wait for a core), which is why systems are interleaved; compare rows "
               "within one run rather than across runs",
@@ -285,7 +286,8 @@ def limit_lines(limit: dict) -> list[str]:
                   "is loose here and the shares small; it is the real model's bytes that meet memory.", ""]
     mc = limit.get("mean_context") or {}
     if mc:
-        lines.append("KV read per pass at the mean position: " + ", ".join(f"{k} {v:.0f} positions" for k, v in mc.items())
+        kv = ", ".join(f"{k} {v:.0f} positions" for k, v in mc.items())
+        lines.append("KV read per pass at the mean position: " + kv
                      + " (a few percent of the weights at most).")
         lines.append("")
     if "max_share" in limit:

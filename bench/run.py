@@ -35,7 +35,8 @@ SYSTEMS = ("specdeploy", "hf", "optimum", "ortgenai", "llamacpp", "llamacpp-q4_1
 ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix")
 PEERS = SYSTEMS[1:]
 # Which of our methods each peer has an equivalent of; the others are reported as skipped.
-PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",), "ortgenai": ("ar", "draft", "prompt-lookup"),
+PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",),
+                "ortgenai": ("ar", "draft", "prompt-lookup"),
                 "llamacpp": ("ar", "draft", "prompt-lookup"), "llamacpp-q4_1": ("ar",)}
 PEER_GAP = {
     "hf": "transformers has no {method} mode",
@@ -259,7 +260,8 @@ def run_bench(opts: BenchOptions) -> dict:
             w.close()
     for w in workers:
         if w.label in failed:
-            skipped.append({"system": w.system, "method": w.method, "reason": f"failed while running: {failed[w.label]}"})
+            skipped.append({"system": w.system, "method": w.method,
+                            "reason": f"failed while running: {failed[w.label]}"})
     live = [w for w in workers if w.label not in failed]
     info["load_end"] = os.getloadavg()
     if opts.measure_bandwidth:  # again after every worker stopped: the best of both is the bound

@@ -72,7 +72,8 @@ def main() -> None:
                     (s["new_tokens"] / (s["seconds"] - s["prefill_s"]), s["new_tokens"] / cpu,
                      s["acceptance_length"], s["spec_steps"], s["plain_steps"]))
     print(f"load average {os.getloadavg()}, threads {args.threads}, medians of {args.rounds}")
-    print("prompt | method | adaptive | decode tok/s | vs ar | tok per CPU s vs ar | acceptance | spec/plain steps (last)")
+    print("prompt | method | adaptive | decode tok/s | vs ar | tok per CPU s vs ar | acceptance "
+          "| spec/plain steps (last)")
     summary: dict = {}
     for i in range(len(ids)):
         ar_wall = statistics.median(r[0] for r in runs[(i, "ar", True)])
@@ -85,7 +86,8 @@ def main() -> None:
                   f"{cpu / ar_cpu:.2f}x | {rs[-1][2]:.2f} | {rs[-1][3]}/{rs[-1][4]}")
     for (method, adaptive), rel in summary.items():
         print(f"{method:14s} adaptive {'on ' if adaptive else 'off'}: wall vs ar {[round(x[0], 2) for x in rel]}, "
-              f"CPU vs ar {[round(x[1], 2) for x in rel]} (geomean {statistics.geometric_mean([x[1] for x in rel]):.3f})")
+              f"CPU vs ar {[round(x[1], 2) for x in rel]} "
+              f"(geomean {statistics.geometric_mean([x[1] for x in rel]):.3f})")
     memory = export.part("adaptive", Memory)
     for key, spec in memory.spec.items():
         print(f"{key}: speculative step {spec.seconds.value * 1e3:.1f} ms, plain {memory.plain.value * 1e3:.1f} ms "

@@ -53,7 +53,8 @@ def test_json_schema(bench):
     assert 0 < limit["ar_fraction"]["code"]
     assert set(limit["systems"]) == {"specdeploy", "hf"}  # only systems that ran
     for r in rows.values():  # every row's share of the bound: its passes/s x bytes per pass / bandwidth
-        assert r["roofline_share"] == pytest.approx(r["passes_per_s"] * r["bytes_per_pass"] / (limit["bandwidth_gbs"] * 1e9))
+        read_per_s = r["passes_per_s"] * r["bytes_per_pass"]
+        assert r["roofline_share"] == pytest.approx(read_per_s / (limit["bandwidth_gbs"] * 1e9))
         assert r["roofline_share"] > 0
 
 
@@ -120,7 +121,8 @@ SMOLLM2 = BUILD / "models" / "smollm2-135m-instruct"
 SMOLLM2_4L = BUILD / "models" / "smollm2-135m-instruct-4l"
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="build/models/smollm2-135m-instruct absent (make model)")
+@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(),
+                    reason="build/models/smollm2-135m-instruct absent (make model)")
 def test_chat_prompts_go_through_the_chat_template():
     from specdeploy.bench.prompts import encode_items
     from specdeploy.runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
@@ -230,7 +232,8 @@ def test_roofline_shares_and_the_bound_check():
     bandwidth = {"read_gbs": 10.0}
     rows = [{"prompt_set": "code", "system": "specdeploy", "method": "ar", "target_calls": 100, "seconds": 1.0},
             {"prompt_set": "code", "system": "hf", "method": "prompt-lookup", "target_calls": 30, "seconds": 1.0}]
-    per_system = {"specdeploy": {"bytes_per_pass": 50e6, "kv_itemsize": 4}, "hf": {"bytes_per_pass": 50e6, "kv_itemsize": 4}}
+    per_system = {"specdeploy": {"bytes_per_pass": 50e6, "kv_itemsize": 4},
+                  "hf": {"bytes_per_pass": 50e6, "kv_itemsize": 4}}
     limit = run._limit(rows, {"code": [[1] * 20]}, opts, export, bandwidth, per_system)
     kv = 2 * 2 * 1 * 4 * (20 + 5) * 4  # K and V, 2 layers, mean position 20 + 10/2, float32
     assert rows[0]["kv_bytes_per_pass"] == kv
@@ -299,8 +302,8 @@ def test_llamacpp_worker_greedy_equals_hf(tmp_path):
     from specdeploy.runtime.tokenizer import TextTokenizer
 
     files = llamacpp.gguf_files(SMOLLM2_4L, None, DEFAULT_PEERS_DIR, "float32", progress=lambda m: None)
-    ids = TextTokenizer(SMOLLM2_4L).encode("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
-                                           "def fib2(n):\n")
+    ids = TextTokenizer(SMOLLM2_4L).encode("def fib(n):\n    if n < 2:\n        return n\n"
+                                           "    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n")
     new = 16
     want = hf_greedy(SMOLLM2_4L, ids, new)
     for method in ("ar", "prompt-lookup", "draft"):  # draft: the model drafts for itself, so all is accepted
