@@ -54,11 +54,10 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .runtime.loaded_export import LoadedExport
-    from .runtime.generate import Generation
-    from .runtime.sampling import SamplingParams
-
     from .runtime.backends import use_shared_threads
+    from .runtime.generate import Generation
+    from .runtime.loaded_export import LoadedExport
+    from .runtime.sampling import SamplingParams
 
     use_shared_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.sampling)
@@ -113,7 +112,8 @@ def cmd_check(args) -> int:
 
     extra_failed += trt_check.cli_report(Path(args.path))
     if failed:
-        print(f"error: {len(failed)} of {len(results)} graphs failed the accuracy check: {', '.join(failed)}", file=sys.stderr)
+        print(f"error: {len(failed)} of {len(results)} graphs failed the accuracy check: {', '.join(failed)}",
+              file=sys.stderr)
         return 1
     print(f"all {len(results)} graphs within their bounds against PyTorch float64")
     return 1 if extra_failed else 0
@@ -126,10 +126,9 @@ def cmd_engines(args) -> int:
 
 
 def cmd_tune_tree(args) -> int:
+    from .runtime.backends import use_shared_threads
     from .runtime.loaded_export import LoadedExport
     from .runtime.tree_tuning import read_prompts_file, tune, write_tree
-
-    from .runtime.backends import use_shared_threads
 
     use_shared_threads(args.threads)
     export = LoadedExport(args.export, backend=args.backend, threads=args.threads)
@@ -216,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("out", type=Path, help="export directory")
     when = n.add_mutually_exclusive_group()
     when.add_argument("--rebuild", action="store_true", help="rebuild every engine, not only missing or stale ones")
-    when.add_argument("--no-rebuild", action="store_true", help="fail on a missing or stale engine instead of building it")
+    when.add_argument("--no-rebuild", action="store_true",
+                      help="fail on a missing or stale engine instead of building it")
     n.add_argument("--workspace-gb", type=float, help="TensorRT workspace memory limit in GiB (default: TensorRT's)")
     n.add_argument("--timing-cache", type=Path, help="timing cache file to share across builds "
                    "(default: OUT/engines/timing.cache)")

@@ -12,8 +12,20 @@ import torch
 
 from ..runtime.config import ExportConfig, load_export_config, to_dict
 from ..runtime.errors import SpecDeployError
-from ..runtime.graph_contract import (DECODER, DRAFT, FUSED, PORTABLE, TARGET, GraphRecord, KVGeometry, ModelRecord,
-                                      decoder_graph_name, decoder_io, graph_file, weights_file)
+from ..runtime.graph_contract import (
+    DECODER,
+    DRAFT,
+    FUSED,
+    PORTABLE,
+    TARGET,
+    GraphRecord,
+    KVGeometry,
+    ModelRecord,
+    decoder_graph_name,
+    decoder_io,
+    graph_file,
+    weights_file,
+)
 from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
 from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
