@@ -201,7 +201,8 @@ class AdaptivePolicy:
 
     def _probe_wait(self) -> int:
         """Plain steps before the next probe: `backoff` probes' worth of time."""
-        return math.ceil(self.backoff * self.break_even())
+        even = self.break_even()  # timed by the time anything loses; one probe's worth until then
+        return math.ceil(self.backoff * (even if even is not None else 1.0))
 
     # -- memory across requests of one loaded export --------------------------------
     @classmethod

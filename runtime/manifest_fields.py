@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NoReturn
 
 from .errors import SpecDeployError
 from .graph_contract import FLAVORS, KINDS, PORTABLE, ModelRecord
@@ -31,7 +32,7 @@ _MODEL_LIMITS = {  # field -> largest accepted value (all at least 1)
 _MAX_EXTRA_INT = (1 << 31) - 1
 
 
-def fail(field: str, problem: str):
+def fail(field: str, problem: str) -> NoReturn:
     raise SpecDeployError(f"manifest: {field} {problem}")
 
 

@@ -73,6 +73,7 @@ class DraftModelDrafter(Drafter):
         if k <= 0:
             return Proposal.root_only(state.tokens[-1])
         out = self.decoder.prefill(pending, self.chunk)
+        assert out is not None  # pending always holds the root at least
         drafts: list[int] = []
         probs: list = [None]  # rejection sampling: the q each draft was drawn from
         first = len(state.tokens)  # drafts[i] is the token for sequence index first + i
