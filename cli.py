@@ -101,6 +101,7 @@ def cmd_check(args) -> int:
     results = check_path(Path(args.path))
     print_report(results, every_output=args.all_outputs)
     failed = [r.graph for r in results if not r.passed]
+    task_failed = _task_check(args)
     extra_failed = 0
     try:
         from .engines import lint
@@ -111,12 +112,36 @@ def cmd_check(args) -> int:
     from .engines import trt_check  # TensorRT vs ONNX Runtime; one skip line without TensorRT
 
     extra_failed += trt_check.cli_report(Path(args.path))
+    if task_failed:
+        print(f"error: below the task-level accuracy thresholds: {', '.join(task_failed)}", file=sys.stderr)
     if failed:
         print(f"error: {len(failed)} of {len(results)} graphs failed the accuracy check: {', '.join(failed)}",
               file=sys.stderr)
         return 1
+    if task_failed:
+        return 1
     print(f"all {len(results)} graphs within their bounds against PyTorch float64")
     return 1 if extra_failed else 0
+
+
+def _task_check(args) -> list[str]:
+    """Quantized exports (or --task): top-1 agreement and perplexity vs float32; the failed models."""
+    path = Path(args.path)
+    if not path.is_dir():
+        return []
+    from .export.task_check import describe_text, run_task_check
+    from .runtime.manifest import load_manifest
+
+    manifest = load_manifest(path, verify_checksums=False)  # check_path verified them
+    if not manifest.quantization and not args.task:
+        return []
+    print(describe_text(args.task_tokens, args.task_text))
+    results = run_task_check(manifest, args.task_tokens, args.task_text)
+    if not results:
+        print("task check: nothing to compare (no fused graphs)")
+    for r in results:
+        print(r.line())
+    return [f"{r.model} (task check)" for r in results if not r.passed]
 
 
 def cmd_engines(args) -> int:
@@ -171,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-check", action="store_true", help="skip the polygraphy check after export")
     e.add_argument("--no-fused", action="store_true",
                    help="skip the ORT-CPU fused decoder graphs (only the portable ones, as TensorRT uses)")
+    weight_choices = ["float", "int8", "int4"]
+    e.add_argument("--weights", default="float", choices=weight_choices,
+                   help="weight-only quantization of the ORT-CPU fused graphs (MatMulNBits, the LM head included; "
+                   "the portable/TensorRT graphs stay float); checked at the task level (`specdeploy check --task`)")
+    e.add_argument("--draft-weights", choices=weight_choices, help="the draft model's weights (default: --weights)")
+    e.add_argument("--heads-weights", choices=weight_choices,
+                   help="the EAGLE head's weights (default: --weights; Medusa heads stay float)")
+    e.add_argument("--block-size", type=int, help="input rows per quantization scale: a power of two >= 16 "
+                   "(default 32)")
     e.set_defaults(func=cmd_export)
 
     g = sub.add_parser("generate", help="generate text from an export")
@@ -209,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("path", help="export directory or a single .onnx file")
     c.add_argument("--all-outputs", action="store_true",
                    help="a line for every output (default: the KV outputs as their worst, unless one fails)")
+    c.add_argument("--task", action="store_true", help="also run the task-level check of quantized weights "
+                   "(top-1 agreement and perplexity vs float32; always on for quantized exports)")
+    c.add_argument("--task-tokens", type=int, default=512, help="tokens of held-out text the task check scores "
+                   "(default 512)")
+    c.add_argument("--task-text", type=Path, help="text file for the task check (default: held-out stdlib source)")
     c.set_defaults(func=cmd_check)
 
     n = sub.add_parser("engines", help="build a TensorRT engine per exported graph (skipped without TensorRT/GPU)")

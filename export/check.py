@@ -239,9 +239,11 @@ def check_path(path: Path) -> list[GraphCheck]:
     if not path.is_dir():
         raise SpecDeployError(f"nothing to check at {path} (expected an export directory or a .onnx file)")
     from ..runtime.manifest import load_manifest
+    from .quantize import quantized_graphs
 
     manifest = load_manifest(path)
-    return [check_graph(manifest.graph_path(g)) for g in manifest.graphs.values()]
+    quantized = quantized_graphs(manifest)  # int4/int8 weights: the task check's (export/task_check.py)
+    return [check_graph(manifest.graph_path(g)) for name, g in manifest.graphs.items() if name not in quantized]
 
 
 def print_report(results: list[GraphCheck], every_output: bool = False, out=None) -> None:

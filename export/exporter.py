@@ -35,6 +35,7 @@ from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .method_export import MethodExport, load_export_step
 from .onnx_writer import SharedWeights, decoder_dynamic_axes, export_module
 from .out_dir import Staging, checked_out_dir
+from .quantize import QuantPlan, quantize_export
 from .reference import CHECK_DIR, decoder_feeds, save_reference, torch_reference
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -153,11 +154,13 @@ def export_methods(overrides: dict[str, dict], sources: dict[str, Path | None]) 
 def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
                config: Path | None = None, progress=print, eagle: Path | None = None,
                medusa: Path | None = None, medusa_tree: str | None = None, fused: bool = True,
-               check: Callable[[Manifest], None] | None = None) -> Path:
+               check: Callable[[Manifest], None] | None = None, quantize: QuantPlan | None = None) -> Path:
     """The whole export. `draft` (a draft model), `eagle` (an EAGLE head dir) and `medusa` (a Medusa
     heads dir, published layout) add the methods that need them; `medusa_tree` overrides
     methods.medusa.tree; `fused` adds each decoder's ORT-CPU graphs (export/fused_graph.py)
-    beside the portable ones.
+    beside the portable ones. `quantize` rewrites the fused graphs of its models with int4/int8
+    weights (export/quantize.py; the portable graphs stay float) and records the scheme in the
+    manifest's `quantization`.
 
     Everything is written to a staging directory beside `out` (export/out_dir.py) and swapped in
     only at the end, after `check` (the accuracy check: raises SpecDeployError on a failure) has
@@ -174,6 +177,8 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     steps: dict[str, MethodExport] = {name: load_export_step(spec.export_step)(sources[spec.export_input])
                                       for name, spec in REGISTRY.items() if name in methods and spec.export_step}
     token_counts = target_token_counts(cfg, methods)  # config errors before anything is written
+    if quantize is not None:
+        quantize.check_fused(dtype, fused)
     torch.manual_seed(0)
     target_cfg = read_hf_config(target)
     check_context("target", target_cfg, cfg.max_context)
@@ -191,6 +196,9 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     with Staging(real_out, progress) as stage:
         graphs, models = _write_export(stage.path, target, draft, dtype, cfg, methods, steps, token_counts,
                                        fused, progress)
+        facts = {}
+        if quantize is not None:  # over the written fused graphs, before their checksums
+            facts["quantization"] = quantize_export(stage.path, graphs, quantize, progress)
         files = {str(p.relative_to(stage.path)): sha256_file(p) for p in sorted(stage.path.rglob("*"))
                  if p.is_file() and p.relative_to(stage.path).parts[0] != CHECK_DIR}
         seconds = round(time.perf_counter() - start, 1)
@@ -198,7 +206,7 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
                        models=models, graphs=graphs,
                        tokenizer={"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
                        methods={name: to_dict(settings) for name, settings in methods.items()}, files=files,
-                       check=CHECK_PENDING if check else CHECK_SKIPPED, exported_in_s=seconds)
+                       check=CHECK_PENDING if check else CHECK_SKIPPED, exported_in_s=seconds, **facts)
         # The staged export as the runtime will load it (every field and path validated); checksums
         # were just computed from these files.
         manifest = load_manifest(stage.path, verify_checksums=False, allow_pending=True)

@@ -130,11 +130,13 @@ class Generation:
             proposal = drafter.propose(state) if speculate else Proposal.root_only(state.tokens[-1])
             self.stats["draft_s"] += time.perf_counter() - td
             room = target.max_context - target.cache.length
-            if room < 1:
+            if room < target.graph_for(1):  # no graph fits (a quantized target's smallest is T=2)
                 self.finish_reason = "length"
                 break
             timed = policy is not None
-            if proposal.size > 1 and target.graph_for(proposal.size) > room:
+            # A step emits up to proposal.size tokens: never past the context (a T=2 graph would let
+            # a quantized target's 2-row step emit a token at position max_context).
+            if proposal.size > 1 and (target.graph_for(proposal.size) > room or proposal.size >= room):
                 proposal = Proposal.root_only(state.tokens[-1])  # near the context end: plain decode
                 speculate = timed = False  # drafted for nothing: no sample of either kind of step
             tv = time.perf_counter()

@@ -44,6 +44,7 @@ class Manifest:
     raw: dict
     prefill_chunk: int = 64
     check: str = CHECK_SKIPPED  # the accuracy check: "passed" or "skipped" (--no-check)
+    quantization: dict | None = None  # int4/int8 weights of some models' fused graphs (export/quantize.py)
 
     def graphs_of(self, kind: str, model: str | None = None, flavor: str | None = None) -> list[GraphRecord]:
         return [g for g in self.graphs.values()
@@ -163,6 +164,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
     if prefill_sizes and scalars["prefill_chunk"] > max(prefill_sizes):
         fields.fail("prefill_chunk", f"({scalars['prefill_chunk']}) exceeds the largest target graph "
                     f"({max(prefill_sizes)} tokens)")
+    quantization = fields.quantization(raw["quantization"], models) if "quantization" in raw else None
     tokenizer = raw["tokenizer"]
     fields.tokenizer(tokenizer, target.vocab_size)
     tokenizer_dir = tokenizer.get("dir", "tokenizer")
@@ -186,5 +188,5 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
     return Manifest(
         root=root, dtype=scalars["dtype"], max_context=max_context, models=models, graphs=graphs,
         tokenizer=tokenizer, methods=raw.get("methods", {}), files=files, raw=raw,
-        prefill_chunk=scalars["prefill_chunk"], check=check,
+        prefill_chunk=scalars["prefill_chunk"], check=check, quantization=quantization,
     )

@@ -157,6 +157,35 @@ def graph(key: str, data, models: dict, max_context: int) -> None:
             _extra(value, f"{where}.{field}")
 
 
+QUANT_BITS = (4, 8)  # weight-only schemes export/quantize.py writes (MatMulNBits)
+QUANT_EMBEDDINGS = ("shared", "float")  # a tied embedding reads the quantized LM head, or stays float
+
+
+def quantization(data, models: dict) -> dict:
+    """`quantization`: which models' fused graphs hold int4/int8 weights, and how (absent: none)."""
+    data = mapping(data, "quantization")
+    text(data.get("method"), "quantization.method")
+    if text(data.get("flavor"), "quantization.flavor") not in FLAVORS:
+        fail("quantization.flavor", f"is {data['flavor']!r}, not one of {', '.join(FLAVORS)}")
+    for key, scheme in mapping(data.get("models"), "quantization.models").items():
+        where = f"quantization.models.{key}"
+        if key not in models:
+            fail(where, f"names an unknown model (models: {', '.join(models)})")
+        scheme = mapping(scheme, where)
+        for field in ("bits", "lm_head_bits"):
+            if integer(scheme.get(field), f"{where}.{field}", 1, 8) not in QUANT_BITS:
+                fail(f"{where}.{field}", f"must be one of {QUANT_BITS}, got {scheme[field]}")
+        block = integer(scheme.get("block_size"), f"{where}.block_size", 16, 1 << 16)
+        if block & (block - 1):
+            fail(f"{where}.block_size", f"must be a power of two, got {block}")
+        integer(scheme.get("accuracy_level"), f"{where}.accuracy_level", 0, 4)
+        if not isinstance(scheme.get("symmetric"), bool):
+            fail(f"{where}.symmetric", f"must be true or false, got {scheme.get('symmetric')!r}")
+        if text(scheme.get("embedding"), f"{where}.embedding") not in QUANT_EMBEDDINGS:
+            fail(f"{where}.embedding", f"is {scheme['embedding']!r}, not one of {', '.join(QUANT_EMBEDDINGS)}")
+    return data
+
+
 def tokenizer(data: dict, vocab_size: int) -> None:
     text(data.get("dir", "tokenizer"), "tokenizer.dir")
     for field in ("bos_token_id", "pad_token_id"):

@@ -1,0 +1,205 @@
+"""Task-level accuracy of quantized weights: the quantized graphs against the float32 ones on real text.
+
+The per-graph check (export/check.py) holds ONNX Runtime to float rounding error, which
+int4/int8 weights exceed by design. What quantization must keep is the model's behaviour,
+measured here on held-out text (the Python standard library's held-out source files,
+train/corpus.py, never trained on by the embedded family; or a text file given):
+
+* decoders (target, draft): top-1 agreement, the share of positions where the quantized
+  fused graph's argmax equals the float32 portable graph's (the same export's float reference;
+  the portable graphs are never quantized), and perplexity of both on the text;
+* the EAGLE head: top-1 agreement of its quantized fused graphs with its float32 portable
+  ones, both fed the float32 target's features of the same text (as decoding feeds them).
+
+Each result is printed beside its threshold and fails below it (`specdeploy check` exits
+non-zero; `specdeploy export` publishes nothing). The thresholds are the accuracy a scheme
+must keep to be deployed, per bit width: int8 should be near lossless, int4 round-to-nearest
+costs a few points of agreement and some perplexity on small models.
+
+Runs ONNX Runtime only (no torch): the runtime's own decoders over the manifest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime.errors import SpecDeployError
+from ..runtime.graph_contract import DECODER, EAGLE, EAGLE_DRAFT, FUSED, PORTABLE
+
+MIN_TOP1 = {8: 0.97, 4: 0.85}  # decoders: argmax agreement with float32
+MAX_PPL_RATIO = {8: 1.02, 4: 1.15}  # decoders: quantized / float32 perplexity
+MIN_HEAD_TOP1 = {8: 0.95, 4: 0.80}  # the EAGLE head: its top-1 proposal agrees with float32's
+DEFAULT_TOKENS = 512
+WINDOW = 256  # tokens of context per evaluation window (less where max_context is smaller)
+
+
+@dataclass
+class TaskResult:
+    model: str
+    scheme: str  # "int4 (block 32)"
+    tokens: int  # positions scored
+    top1: float
+    min_top1: float
+    ppl_float: float | None = None  # decoders only
+    ppl_quant: float | None = None
+    max_ppl_ratio: float | None = None
+
+    @property
+    def ppl_ratio(self) -> float | None:
+        return None if self.ppl_float is None else self.ppl_quant / self.ppl_float
+
+    @property
+    def passed(self) -> bool:
+        ok = self.top1 >= self.min_top1
+        return ok and (self.ppl_ratio is None or self.ppl_ratio <= self.max_ppl_ratio)
+
+    def line(self) -> str:
+        text = (f"{'ok  ' if self.passed else 'FAIL'} {self.model} {self.scheme}: top-1 agreement with float32 "
+                f"{self.top1:.1%} (threshold >= {self.min_top1:.0%})")
+        if self.ppl_float is not None:
+            text += (f", perplexity {self.ppl_quant:.3f} vs float32 {self.ppl_float:.3f} "
+                     f"({self.ppl_ratio - 1:+.1%}, threshold <= {self.max_ppl_ratio - 1:+.0%})")
+        return text + f" [{self.tokens} positions]"
+
+
+def heldout_text(min_chars: int) -> str:
+    """Held-out standard-library source, in a fixed order, at least `min_chars` long."""
+    from ..train.corpus import iter_texts
+
+    parts, size = [], 0
+    for text in iter_texts("heldout"):
+        parts.append(text)
+        size += len(text)
+        if size >= min_chars:
+            break
+    return "\n".join(parts)
+
+
+def evaluation_ids(tokenizer, tokens: int, text_file: Path | None = None) -> list[int]:
+    text = Path(text_file).read_text(encoding="utf-8", errors="replace") if text_file else heldout_text(tokens * 8)
+    ids = tokenizer.encode(text)[:tokens]
+    if len(ids) < 2:
+        raise SpecDeployError(f"task check: the text has {len(ids)} tokens, at least 2 are needed")
+    return ids
+
+
+def _windows(ids: list[int], max_context: int) -> list[np.ndarray]:
+    """Consecutive windows of the ids (each scored from an empty cache); a last lone token is dropped."""
+    width = min(WINDOW, max_context)
+    windows = [np.asarray(ids[s : s + width], np.int64) for s in range(0, len(ids), width)]
+    return [w for w in windows if len(w) > 1]
+
+
+def _run(decoder, window: np.ndarray, chunk: int) -> list:
+    """Every row's StepOutput for one window, from an empty cache."""
+    decoder.reset()
+    steps = []
+    decoder.prefill(window, chunk, on_chunk=steps.append)
+    return steps
+
+
+def _scores(steps, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax per position, negative log-likelihood of the next token) for all but the last row."""
+    logits = np.concatenate([s.logits for s in steps])[:-1].astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    logz = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[:, 0]
+    nll = logz - logits[np.arange(len(logits)), window[1:]]
+    return logits.argmax(-1), nll
+
+
+def decoder_task(manifest, model: str, ids: list[int], threads: int | None = None) -> TaskResult:
+    from ..runtime.backends.ort_decoder import OrtDecoder
+
+    scheme = _scheme(manifest, model)
+    reference = OrtDecoder(manifest, model, "ort-cpu", threads, fused=False)
+    quantized = OrtDecoder(manifest, model, "ort-cpu", threads, fused=True)
+    agree, nll_f, nll_q = [], [], []
+    for window in _windows(ids, manifest.max_context):
+        top_f, f = _scores(_run(reference, window, manifest.prefill_chunk), window)
+        top_q, q = _scores(_run(quantized, window, manifest.prefill_chunk), window)
+        agree.append(top_f == top_q)
+        nll_f.append(f)
+        nll_q.append(q)
+    agree, nll_f, nll_q = (np.concatenate(a) for a in (agree, nll_f, nll_q))
+    bits = scheme["bits"]
+    return TaskResult(model, _scheme_name(scheme), len(agree), float(agree.mean()), MIN_TOP1[bits],
+                      math.exp(nll_f.mean()), math.exp(nll_q.mean()), MAX_PPL_RATIO[bits])
+
+
+def eagle_task(manifest, ids: list[int], threads: int | None = None) -> TaskResult:
+    """The head's top-1 candidate, quantized vs float32, on the float32 target's features of the text."""
+    from ..runtime.backends.ort_decoder import OrtDecoder
+    from ..runtime.drafters.eagle_head import EagleHeadRunner
+
+    scheme = _scheme(manifest, EAGLE)
+    target = OrtDecoder(manifest, "target", "ort-cpu", threads, fused=False)
+    heads = [EagleHeadRunner(manifest, "ort-cpu", threads, fused=fused) for fused in (False, True)]
+    if not heads[1].fused:
+        raise SpecDeployError("task check: the export has no fused EAGLE head graphs to compare")
+    key = "features" if heads[0].version == 3 else "hidden"
+    agree = []
+    for window in _windows(ids, manifest.max_context):
+        feats = np.concatenate([getattr(s, key) for s in _run(target, window, manifest.prefill_chunk)])
+        tokens, feats = window[1:], feats[:-1]  # row p: the token at p + 1 with the features of p
+        tops = []
+        for head in heads:
+            head.reset()
+            sizes, s, top = head.sizes_by_width[head.feature_dim], 0, []
+            while s < len(tokens):
+                call = head.fit(len(tokens) - s, sizes)
+                if call is None:
+                    break
+                n, pos = call[0], head.cache.length
+                out = head.forward(tokens[s : s + n], feats[s : s + n], np.arange(pos, pos + n),
+                                   np.tril(np.ones((n, n), bool)))
+                head.commit(out, slice(0, n))
+                top.append(out.ids[:, 0])
+                s += n
+            tops.append(np.concatenate(top))
+        rows = min(len(t) for t in tops)
+        agree.append(tops[0][:rows] == tops[1][:rows])
+    agree = np.concatenate(agree)
+    return TaskResult(EAGLE, _scheme_name(scheme), len(agree), float(agree.mean()), MIN_HEAD_TOP1[scheme["bits"]])
+
+
+FLOAT_SCHEME = {"bits": 8, "name": "float32 fused"}  # an unquantized fused graph: held to int8's thresholds
+
+
+def _scheme(manifest, model: str) -> dict:
+    return (manifest.quantization or {}).get("models", {}).get(model, FLOAT_SCHEME)
+
+
+def _scheme_name(scheme: dict) -> str:
+    return scheme.get("name") or f"int{scheme['bits']} (block {scheme['block_size']})"
+
+
+def run_task_check(manifest, tokens: int = DEFAULT_TOKENS, text_file: Path | None = None,
+                   threads: int | None = None) -> list[TaskResult]:
+    """One result per quantized model of the export; with nothing quantized, the float32 fused
+    target against its portable twin (none without fused graphs)."""
+    from ..runtime.tokenizer import TextTokenizer
+
+    models = list((manifest.quantization or {}).get("models", {})) or \
+        [m for m in ("target",) if manifest.graphs_of(DECODER, m, FUSED)]
+    if not models:
+        return []
+    tokenizer = TextTokenizer(manifest.root / manifest.tokenizer.get("dir", "tokenizer"))
+    ids = evaluation_ids(tokenizer, tokens, text_file)
+    results = []
+    for model in models:
+        if manifest.graphs_of(DECODER, model, FUSED) and manifest.graphs_of(DECODER, model, PORTABLE):
+            results.append(decoder_task(manifest, model, ids, threads))
+        elif model == EAGLE and manifest.graphs_of(EAGLE_DRAFT, EAGLE, PORTABLE):
+            results.append(eagle_task(manifest, ids, threads))
+        else:
+            raise SpecDeployError(f"task check: {model} has no float32 portable graphs to compare against")
+    return results
+
+
+def describe_text(tokens: int, text_file: Path | None) -> str:
+    source = str(text_file) if text_file else "held-out Python standard library source (train/corpus.py)"
+    return f"task check: quantized fused graphs vs the float32 portable graphs on {source}, up to {tokens} tokens"

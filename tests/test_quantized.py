@@ -1,0 +1,312 @@
+"""Quantized exports (--weights int4|int8): the fused graphs' weights as MatMulNBits, each model's
+weights once, greedy output of every method equal to the quantized target's own ar, the scheme
+in the manifest, and the task-level accuracy check (top-1 agreement, perplexity vs float32)
+passing on a sound quantization and failing on a broken one (export/quantize.py, task_check.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_cli
+
+PROMPTS = [
+    "def foo(x):\n    return",
+    "import os\nimport sys\n\n\nclass Config",
+    "for i in range(10):\n    if i %",
+    "    def __init__(self, name, value=None):\n        self.",
+    "with open(path) as f:\n    data = f.read()\n",
+    "raise ValueError(",
+]
+NEW = 32
+
+
+def _export(family: Path, out: Path, check: bool = True, **choices):
+    from specdeploy.export.exporter import export_all
+    from specdeploy.export.main import accuracy_check
+    from specdeploy.export.quantize import QuantPlan
+
+    lines: list[str] = []
+    plan = QuantPlan.from_choices(choices.pop("block_size", 32), **choices)
+    export_all(family / "target", out, draft=family / "draft", eagle=family / "eagle", medusa=family / "medusa",
+               progress=lines.append, check=accuracy_check(lines.append) if check else None, quantize=plan)
+    return out, lines
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized(request, micro_family, tmp_path_factory):
+    """Target, draft and EAGLE head quantized alike, published after the accuracy check."""
+    bits = request.param
+    out, lines = _export(micro_family, tmp_path_factory.mktemp("quantized") / bits, target=bits, draft=bits,
+                         eagle=bits)
+    return bits, out, lines
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def _ops(path: Path) -> list[str]:
+    import onnx
+
+    return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def test_manifest_records_the_scheme_and_only_fused_graphs_change(quantized, micro_export):
+    bits, out, lines = quantized
+    manifest = _manifest(out)
+    assert manifest["check"] == "passed"
+    q = manifest["quantization"]
+    assert q["flavor"] == "fused" and q["method"] == "matmul_nbits"
+    assert set(q["models"]) == {"target", "draft", "eagle"}  # Medusa heads stay float
+    for scheme in q["models"].values():
+        assert scheme["bits"] == int(bits[3:]) and scheme["block_size"] == 32
+        assert scheme["lm_head_bits"] == 8  # the LM head stays 8-bit under an int4 body
+        assert scheme["embedding"] == "float"  # the micro family's embeddings are untied
+    for name, g in manifest["graphs"].items():
+        ops = _ops(out / g["file"])
+        if g.get("flavor") == "fused":
+            assert "MatMulNBits" in ops and "MatMul" not in ops, name  # every weight, the LM head included
+        else:
+            assert "MatMulNBits" not in ops, name  # portable graphs (TensorRT's source) stay float
+    float_sizes = {p.name: p.stat().st_size for p in (micro_export / "weights").iterdir()}
+    for model in ("target", "draft"):
+        size = (out / "weights" / f"{model}.fused.bin").stat().st_size
+        assert size < (0.6 if bits == "int4" else 0.7) * float_sizes[f"{model}.fused.bin"], (model, size)
+        assert (out / "weights" / f"{model}.bin").stat().st_size == float_sizes[f"{model}.bin"]
+
+
+def test_weights_stay_once_per_model(quantized):
+    """Every T of a model is one file content over one weights file, as before quantization."""
+    _, out, _ = quantized
+    manifest = _manifest(out)
+    for model in ("target", "draft", "eagle"):
+        files = [out / g["file"] for g in manifest["graphs"].values()
+                 if g["model"] == model and g.get("flavor") == "fused"]
+        assert len(files) >= 2
+        assert len({hashlib.sha256(f.read_bytes()).hexdigest() for f in files}) == 1, model
+    assert {p.name for p in (out / "weights").iterdir()} == {  # quantized in place: no second fused file
+        "target.bin", "target.fused.bin", "draft.bin", "draft.fused.bin", "eagle.bin", "eagle.fused.bin", "medusa.bin"}
+
+
+def test_every_method_equals_the_quantized_targets_ar(quantized):
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    _, out, _ = quantized
+    export = LoadedExport(out)
+    assert export.decoder("target").fused  # the quantized graphs are what runs
+    methods = [m for m in export.methods if m != "ar"]
+    assert {"draft", "eagle", "medusa", "prompt-lookup", "lookahead", "suffix"} <= set(methods)
+    differ = []
+    for prompt in PROMPTS:
+        ids = export.tokenizer.encode(prompt)
+        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
+        for method in methods:
+            if generate(export, ids, method=method, max_new_tokens=NEW, ignore_eos=True).token_ids != ar:
+                differ.append((method, prompt))
+    assert not differ
+
+
+def test_rows_are_identical_from_any_call_size(quantized):
+    """The quantized target runs no single-row call (its smallest fused graph is T=2), and from two
+    rows up every call size gives bit-identical rows: what keeps every method equal to ar."""
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    _, out, _ = quantized
+    export = LoadedExport(out)
+    target = export.decoder("target")
+    assert target.sizes[0] == 2 and 1 not in target.sizes
+    assert export.decoder("draft").sizes[0] == 1  # a draft's rows only change what is proposed
+    ids = np.array((export.tokenizer.encode("\n".join(PROMPTS)) * 8)[: 4 + max(target.sizes)])
+    target.reset()
+    target.prefill(ids[:4], 64)
+    calls = {}
+    for t in target.sizes:  # t rows: exactly the T=t graph
+        calls[t] = target.forward(ids[4 : 4 + t], np.arange(4, 4 + t), np.tril(np.ones((t, t), bool))).logits.copy()
+    one = target.forward(ids[4:5], np.array([4]), np.ones((1, 1), bool)).logits  # padded into T=2
+    for t, logits in calls.items():  # a causal row depends on the rows before it only
+        np.testing.assert_array_equal(logits[:2], calls[2], err_msg=f"T={t}")
+    np.testing.assert_array_equal(one[0], calls[2][0])
+
+
+def test_decoding_to_the_context_end(quantized):
+    """A quantized target stops at the context end ("length") without a one-row graph, every
+    method alike."""
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    _, out, _ = quantized
+    export = LoadedExport(out)
+    room = 40
+    ids = (export.tokenizer.encode("\n".join(PROMPTS)) * 200)[: export.manifest.max_context - room]
+    ar = generate(export, ids, method="ar", max_new_tokens=2 * room, ignore_eos=True)
+    assert ar.finish_reason == "length" and room - 2 <= len(ar.token_ids) <= room
+    for method in ("draft", "eagle", "prompt-lookup"):
+        got = generate(export, ids, method=method, max_new_tokens=2 * room, ignore_eos=True)
+        assert (got.finish_reason, got.token_ids) == ("length", ar.token_ids), method
+
+
+def test_task_check_passes_with_its_numbers(quantized):
+    bits, out, lines = quantized
+    assert any("top-1 agreement with float32" in line for line in lines)  # ran at export, before publishing
+    proc = run_cli("check", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    task = [line for line in proc.stdout.splitlines() if "top-1 agreement with float32" in line]
+    assert [line.split()[1] for line in task] == ["target", "draft", "eagle"]
+    for line in task:
+        assert line.startswith("ok ") and "threshold >=" in line and f"{bits} (block 32)" in line
+    assert all("perplexity" in line and "threshold <=" in line for line in task[:2])
+    assert "target_fused_t2" not in proc.stdout  # quantized graphs are not held to float rounding bounds
+
+
+def _broken(monkeypatch):
+    """Quantization with a corrupted scale: the first attention projection's scales x4."""
+    from onnx import numpy_helper
+
+    from specdeploy.export import quantize
+
+    real = quantize.quantize_model
+
+    def corrupt(model, scheme):
+        out, embedding = real(model, scheme)
+        node = next(n for n in out.graph.node if n.op_type == "MatMulNBits")
+        scales = next(t for t in out.graph.initializer if t.name == node.input[2])
+        scales.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scales) * 4, scales.name))
+        return out, embedding
+
+    monkeypatch.setattr(quantize, "quantize_model", corrupt)
+
+
+def test_task_check_fails_on_a_corrupted_scale(micro_family, tmp_path, monkeypatch):
+    from specdeploy.runtime.errors import SpecDeployError
+
+    _broken(monkeypatch)
+    with pytest.raises(SpecDeployError, match="task check"):  # the export refuses to publish it
+        _export(micro_family, tmp_path / "refused", target="int4")
+    assert not (tmp_path / "refused").exists()
+    out, _ = _export(micro_family, tmp_path / "unchecked", check=False, target="int4")
+    proc = run_cli("check", out)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if "top-1 agreement with float32" in line]
+    assert line.startswith("FAIL target int4")
+    assert "below the task-level accuracy thresholds" in proc.stderr
+
+
+def test_models_are_quantized_independently(micro_family, tmp_path):
+    out, _ = _export(micro_family, tmp_path / "draft-only", check=False, target="float", draft="int4")
+    manifest = _manifest(out)
+    assert list(manifest["quantization"]["models"]) == ["draft"]
+    fused = {g["model"]: out / g["file"] for g in manifest["graphs"].values() if g.get("flavor") == "fused"}
+    assert "MatMulNBits" in _ops(fused["draft"])
+    assert "MatMulNBits" not in _ops(fused["target"]) and "MatMulNBits" not in _ops(fused["eagle"])
+
+
+def test_tied_embedding_reads_the_quantized_lm_head():
+    """A tied table (the LM head's weight transposed) becomes GatherBlockQuantized over the LM head's
+    MatMulNBits initializers (one copy); a hidden size that is not a whole number of blocks is sliced."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdeploy.export.quantize import WeightScheme, quantize_model
+
+    vocab, hidden = 96, 48  # 48 = 1.5 blocks of 32
+    table = np.random.default_rng(0).standard_normal((vocab, hidden)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed.weight", "ids"], ["emb"], name="embed"),
+         helper.make_node("MatMul", ["x", "lm_head.weight"], ["logits"], name="lm_head")], "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "t"]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "t", hidden])],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, "t", hidden]),
+         helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "t", vocab])],
+        [numpy_helper.from_array(table, "embed.weight"), numpy_helper.from_array(table.T.copy(), "lm_head.weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    for bits in (4, 8):
+        quantized, embedding = quantize_model(onnx.ModelProto.FromString(model.SerializeToString()),
+                                              WeightScheme(bits, 32, lm_head_bits=bits))
+        assert embedding == "shared"
+        ops = [n.op_type for n in quantized.graph.node]
+        assert "GatherBlockQuantized" in ops and "Gather" not in ops and "Slice" in ops
+        assert {t.name for t in quantized.graph.initializer if t.data_type == TensorProto.FLOAT and
+                len(t.dims) == 2 and t.dims[0] * t.dims[1] == vocab * hidden} == set()  # no float table left
+        session = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
+        ids = np.arange(vocab, dtype=np.int64)[None]
+        one_hot = np.eye(hidden, dtype=np.float32)[None]
+        emb = session.run(["emb"], {"ids": ids, "x": np.zeros((1, vocab, hidden), np.float32)})[0][0]
+        lm_rows = session.run(["logits"], {"ids": ids[:, :hidden], "x": one_hot})[0][0].T  # dequantized W.T
+        np.testing.assert_allclose(emb, lm_rows, atol=1e-5)  # the same quantized numbers
+        assert 0 < np.abs(emb - table).max() < (0.6 if bits == 4 else 0.05)
+
+
+def test_tensorrt_weight_only_qdq_lints_and_runs(micro_export):
+    """The TensorRT path (not built here): int4 blocked / int8 per-channel weights through
+    DequantizeLinear -> MatMul; TensorRT's parser (offline lint) takes it, ONNX Runtime runs it."""
+    import onnx
+    import onnxruntime as ort
+
+    from specdeploy.engines.lint import lint_model
+    from specdeploy.export.quantize_trt import weight_only_qdq
+    from specdeploy.export.reference import load_reference
+
+    path = micro_export / "target_t15.onnx"
+    feeds, _ = load_reference(micro_export / "check", "target_t15")
+    float_logits = ort.InferenceSession(str(path)).run(["logits"], feeds)[0]
+    model = onnx.load(str(path))
+    for bits, versions in ((4, ["10.15", "11"]), (8, ["10.0", "10.15", "11"])):
+        qdq = weight_only_qdq(model, bits, block_size=32)
+        ops = [n.op_type for n in qdq.graph.node]
+        assert ops.count("DequantizeLinear") == 15  # 2 layers x (q, k, v, o, gate, up, down) + the LM head
+        findings, _ = lint_model(qdq, f"target_t15_int{bits}", targets=versions)
+        assert not findings, [str(f) for f in findings]
+        logits = ort.InferenceSession(qdq.SerializeToString()).run(["logits"], feeds)[0]
+        assert np.isfinite(logits).all()
+        if bits == 8:
+            assert (logits.argmax(-1) == float_logits.argmax(-1)).mean() >= 0.9
+
+
+def test_cli_refuses_what_it_cannot_quantize(micro_family, tmp_path, capsys):
+    """Before anything is written (in-process: the same parser and error path as the command)."""
+    from specdeploy.cli import main
+
+    target, draft = micro_family / "target", micro_family / "draft"
+    cases = [
+        (["--weights", "int4", "--block-size", "24"], "power of two"),
+        (["--weights", "int4", "--dtype", "float16"], "need --dtype float32"),
+        (["--weights", "int4", "--no-fused"], "need --dtype float32 and no --no-fused"),
+        (["--draft-weights", "int4"], "--draft-weights needs --draft"),
+        (["--draft", draft, "--heads-weights", "int4"], "--heads-weights applies to an EAGLE head"),
+    ]
+    for extra, message in cases:
+        code = main(["export", "--target", str(target), "--out", str(tmp_path / "never"), "--no-check",
+                     *map(str, extra)])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, (extra, err)
+        assert not (tmp_path / "never").exists()
+
+
+def test_manifest_validates_the_scheme(quantized, tmp_path):
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.manifest import load_manifest
+
+    _, out, _ = quantized
+    for path, value, message in ((("models", "target", "bits"), 3, "bits must be one of"),
+                                 (("models", "target", "block_size"), 48, "power of two"),
+                                 (("models", "nobody"), {}, "unknown model"),
+                                 (("flavor",), "tiny", "quantization.flavor")):
+        copy = tmp_path / "copy"
+        shutil.copytree(out, copy)
+        manifest = _manifest(copy)
+        entry = manifest["quantization"]
+        for key in path[:-1]:
+            entry = entry[key]
+        entry[path[-1]] = value
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(SpecDeployError, match=message):
+            load_manifest(copy, verify_checksums=False)
+        shutil.rmtree(copy)
