@@ -117,6 +117,7 @@ class Generation:
             self.finish_reason = "cancelled"
         self.stats["prefill_calls"] = target.calls - calls0
         self.stats["prefill_s"] = target.seconds - verify0
+        self.stats["prefilled_tokens"] = target.cache.length  # fewer than the prompt's when cancelled
         if self.finish_reason is None:
             drafter.start(state)
         kv0 = target.cache.bytes_copied
@@ -212,6 +213,8 @@ class Generation:
         s = self.stats
         s["new_tokens"] = len(self.new_ids)
         s["prompt_tokens"] = self.prompt_len
+        # what the target has read of the prompt: all of it once a step ran, else what prefill reached
+        s["prompt_processed"] = self.prompt_len if s["target_calls"] else s["prefilled_tokens"]
         s["seconds"] = seconds
         s["tokens_per_s"] = s["new_tokens"] / seconds if seconds > 0 else 0.0
         s["acceptance_length"] = s["new_tokens"] / s["target_calls"] if s["target_calls"] else 0.0

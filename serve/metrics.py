@@ -50,8 +50,8 @@ class Metrics:
         if s.get("queue_s") is not None:
             self.queue_wait.observe(s["queue_s"])
         self.generated.labels(method).inc(s.get("new_tokens", 0))
+        self.prompt.labels(method).inc(s.get("prompt_processed", 0))  # a cancelled prefill counts its part
         if s.get("target_calls"):
-            self.prompt.labels(method).inc(s.get("prompt_tokens", 0))
             self.acceptance.labels(method).observe(s.get("acceptance_length", 0.0))
 
 

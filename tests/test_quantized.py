@@ -244,7 +244,7 @@ def test_tied_embedding_reads_the_quantized_lm_head():
         assert 0 < np.abs(emb - table).max() < (0.6 if bits == 4 else 0.05)
 
 
-def test_tensorrt_weight_only_qdq_lints_and_runs(micro_export):
+def test_tensorrt_weight_only_qdq_lints_and_runs(micro_export, tmp_path):
     """The TensorRT path (not built here): int4 blocked / int8 per-channel weights through
     DequantizeLinear -> MatMul; TensorRT's parser (offline lint) takes it, ONNX Runtime runs it."""
     import onnx
@@ -254,7 +254,13 @@ def test_tensorrt_weight_only_qdq_lints_and_runs(micro_export):
     from specdeploy.export.quantize_trt import weight_only_qdq
     from specdeploy.export.reference import load_reference
 
-    path = micro_export / "target_t15.onnx"
+    # a private copy: other tests hard-link the session's export, and onnx.load refuses external
+    # data with more than one link (its hard-link attack check)
+    (tmp_path / "weights").mkdir()
+    shutil.copy(micro_export / "target_t15.onnx", tmp_path / "target_t15.onnx")
+    for f in (micro_export / "weights").iterdir():
+        shutil.copy(f, tmp_path / "weights" / f.name)
+    path = tmp_path / "target_t15.onnx"
     feeds, _ = load_reference(micro_export / "check", "target_t15")
     float_logits = ort.InferenceSession(str(path)).run(["logits"], feeds)[0]
     model = onnx.load(str(path))

@@ -419,20 +419,23 @@ def test_disconnect_of_a_non_streaming_request_frees_the_worker(tight_server):
 
 
 def test_disconnect_during_prefill_frees_the_worker(tight_server):
-    """A near-full-context prompt: its client gives up during prefill, and the worker does not finish it."""
+    """A near-full-context prompt: its client gives up during prefill, and the worker stops partway
+    through the prompt (the prompt-token counter counts what prefill reached) instead of finishing it."""
     client = make_client(tight_server)
     _wait_idle(tight_server)
     prompt = [5 + i % 97 for i in range(LONG)]
     t0 = time.monotonic()
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     whole_prefill = time.monotonic() - t0
-    assert whole_prefill > 0.5, "the prompt is too short to tell a cancelled prefill from a finished one"
+    before = metric_value(tight_server.metrics(), "specdeploy_prompt_tokens_total")
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tight_server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.1))
-    t1 = time.monotonic()
-    _wait_idle(tight_server)
-    assert time.monotonic() - t1 < whole_prefill / 2
+    with pytest.raises(httpx.ReadTimeout):  # gives up a fifth of the way through (timed on this machine)
+        httpx.post(f"{tight_server.url}/v1/completions", json=body,
+                   timeout=httpx.Timeout(10, read=max(0.01, whole_prefill / 5)))
+    _wait_idle(tight_server)  # the counter moves just after the worker is freed
+    _wait_for(lambda: metric_value(tight_server.metrics(), "specdeploy_prompt_tokens_total") > before)
+    processed = metric_value(tight_server.metrics(), "specdeploy_prompt_tokens_total") - before
+    assert 0 < processed < 0.75 * LONG, processed
 
 
 @pytest.fixture(scope="module")
