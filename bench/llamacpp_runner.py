@@ -2,7 +2,9 @@
 
 Standalone on purpose: that venv has llama-cpp-python and numpy, not specdeploy, so this
 imports only `protocol` from its own folder (a script's folder is on sys.path).
-Setup: {"gguf", "draft_gguf", "method", "threads", "method_params", "n_ctx"}.
+Setup: {"gguf", "draft_gguf", "method", "threads", "method_params", "n_ctx", "kv_dtype"}.
+kv_dtype "float32" keeps the KV cache in float32 (as our float32 exports do; the bindings'
+default is float16, which flips near-tied greedy tokens); anything else keeps the default.
 
 Methods, through the bindings' own `Llama.generate` loop:
 - ar: plain decoding;
@@ -28,6 +30,8 @@ GREEDY = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "repeat_penalty":
 def _llama(path: str, setup: dict, **kwargs) -> Llama:
     threads = setup["threads"]
     n_ctx = int(setup["n_ctx"])
+    if setup.get("kv_dtype") == "float32":
+        kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     return Llama(model_path=path, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
                  n_threads_batch=threads, verbose=False, **kwargs)
 
@@ -77,6 +81,7 @@ class LlamaCpp:
         self.llm.eval = counted
         features = llama_cpp.llama_print_system_info().decode(errors="replace")
         self.info = {"llama_cpp_python": llama_cpp.__version__, "gguf": setup["gguf"],
+                     "kv_dtype": "float32" if setup.get("kv_dtype") == "float32" else "float16",
                      "system_info": " ".join(f for f in features.split("|") if "= 1" in f or "=1" in f)[:300],
                      "prompt_lookup": {"max_ngram_size": params.get("max_ngram"), "num_pred_tokens": params.get("k")}
                      if method == "prompt-lookup" else None,

@@ -178,6 +178,8 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
         setup["model_dir"] = str(genai_dirs["speculative" if method == "draft" else "plain"])
     if system in LLAMACPP:
         setup["gguf"] = str(ggufs["original" if system == "llamacpp-q4_1" else "target"])
+        # the same-weights row keeps its KV cache at the export's precision too; Q4_1 runs llama.cpp's default
+        setup["kv_dtype"] = export.manifest.dtype if system == "llamacpp" else None
         setup["draft_gguf"] = str(ggufs["draft"]) if "draft" in ggufs else None
     return setup
 
@@ -400,12 +402,13 @@ def weight_bytes(export, results: list[dict] | None = None) -> dict:
         hf = roofline.hf_weight_bytes(src)
         for system in ("hf", "optimum", "ortgenai"):  # float32 loads of the same HF weights
             out[system] = {**hf, "kv_itemsize": 4}
-    for system in LLAMACPP:  # the GGUF the row ran; llama.cpp keeps its KV cache in float16
-        gguf = ((ran or {}).get(system, {}).get("info") or {}).get("gguf")
+    for system in LLAMACPP:  # the GGUF the row ran, and the KV cache type it ran with
+        info = (ran or {}).get(system, {}).get("info") or {}
+        gguf = info.get("gguf")
         if gguf and Path(gguf).is_file():
             b = llamacpp.gguf_weight_bytes(gguf)
             out[system] = {"bytes_per_pass": b["bytes_per_token"], "tied": b["tied"], "source": gguf,
-                           "kv_itemsize": 2}
+                           "kv_itemsize": 4 if info.get("kv_dtype") == "float32" else 2}
     return {k: v for k, v in out.items() if ran is None or k in ran}
 
 

@@ -308,7 +308,7 @@ def test_llamacpp_worker_greedy_equals_hf(tmp_path):
     want = hf_greedy(SMOLLM2_4L, ids, new)
     for method in ("ar", "prompt-lookup", "draft"):  # draft: the model drafts for itself, so all is accepted
         setup = {"system": "llamacpp", "method": method, "threads": 2, "n_ctx": 256, "gguf": str(files["target"]),
-                 "draft_gguf": str(files["target"]), "method_params": {"k": 6, "max_ngram": 3}}
+                 "draft_gguf": str(files["target"]), "method_params": {"k": 6, "max_ngram": 3}, "kv_dtype": "float32"}
         w = Worker("llamacpp", method, setup, tmp_path / f"{method}.log", DEFAULT_PEERS_DIR)
         try:
             w.launch()
