@@ -98,10 +98,12 @@ class Service:
     def request(self, prompt: str | None = None, prompt_ids: list[int] | None = None, *, method: str | None = None,
                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 seed: int | None = None, stop: list[str] | str | None = None, ignore_eos: bool = False,
-                timeout: float | None = None, request_id: str | None = None) -> "Request":
+                timeout: float | None = None, request_id: str | None = None,
+                sampling: str | None = None) -> "Request":
         """A validated request that has not started yet (SpecDeployError on bad input).
 
-        `request_id` names it in logs and thread names (default: a random id).
+        `request_id` names it in logs and thread names (default: a random id). `sampling`
+        ("seeded" or "rejection") picks how drafts are accepted when sampling; None: the method's default.
         """
         if (prompt is None) == (prompt_ids is None):
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
@@ -113,7 +115,7 @@ class Service:
         method = self.default_method if method is None else method
         if method not in self.methods:
             raise SpecDeployError(self.method_message(method))
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, seed, sampling)
         validate_request(self.meta, ids, max_new_tokens)
         if isinstance(stop, str):
             stop = [stop]

@@ -199,7 +199,7 @@ class Server:
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
                     stop=stop_strings(body.stop, self.limits.max_stop, self.limits.max_stop_chars),
-                    ignore_eos=bool(body.ignore_eos))
+                    ignore_eos=bool(body.ignore_eos), sampling=body.sampling)
 
     # -- running --------------------------------------------------------------------
     async def handle(self, request: Request, chat: bool):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +45,7 @@ class _Common(BaseModel):
     method: Optional[str] = None
     top_k: Optional[int] = Field(None, ge=0)
     ignore_eos: Optional[bool] = None
+    sampling: Optional[Literal["seeded", "rejection"]] = None  # how drafts are accepted; None: the method's default
 
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, is set to something this server cannot do)."""

@@ -222,6 +222,17 @@ def test_raw_sse_format(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_sampling_scheme_is_chosen_per_request(client):
+    """Seeded (seed-exact) drafting prints ar's tokens for the same seed; rejection sampling is selectable."""
+    def text(method, sampling=None):
+        extra = {"method": method, "ignore_eos": True, **({"sampling": sampling} if sampling else {})}
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0.9,
+                                         seed=21, extra_body=extra).choices[0].text
+
+    assert text("draft", "seeded") == text("ar")
+    assert isinstance(text("draft", "rejection"), str)
+
+
 # ------------------------------------------------------------------------------ concurrency
 
 
@@ -278,6 +289,7 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "stop": ["a"] * 40}, 400, "stop", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "sampling": "lucky"}, 400, "sampling", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
     ({"model": MODEL, "prompt": "x", "method": "nope"}, 400, "method", "unknown_method"),
