@@ -4,12 +4,12 @@ methods exist (configs, the exporter, the CLI, tree tuning, the bench) looks the
 from __future__ import annotations
 
 from .config import describe
-from .drafters import ar, draft_model, eagle, lookahead, medusa, prompt_lookup, suffix
+from .drafters import ar, draft_model, eagle, fused, lookahead, medusa, prompt_lookup, suffix
 from .errors import SpecDeployError
 from .method_spec import MethodSpec
 from .tree_calibration import calibrate_eagle, calibrate_medusa
 
-REGISTRY: dict[str, MethodSpec] = {spec.name: spec for spec in (
+_SINGLE: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(ar.ArConfig, ar.build),
     MethodSpec(draft_model.DraftConfig, draft_model.build, export_input="draft"),
     MethodSpec(prompt_lookup.PromptLookupConfig, prompt_lookup.build),
@@ -20,6 +20,11 @@ REGISTRY: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(medusa.MedusaConfig, medusa.build, export_input="medusa",
                export_step="medusa_export:MedusaHeadsExporter", calibrate=calibrate_medusa),
 )}
+# One tree from two drafters (drafters/fused.py), exported where its parts are (at most one
+# part needs an export input).
+REGISTRY: dict[str, MethodSpec] = {**_SINGLE, **{config.method: MethodSpec(
+    config, fused.build, export_input=next(filter(None, (_SINGLE[p].export_input for p in config.parts)), None))
+    for config in fused.CONFIGS}}
 
 
 def known_methods() -> list[str]:

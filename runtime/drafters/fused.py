@@ -1,0 +1,241 @@
+"""Fused drafting: two drafters' candidates merged into one draft tree per step.
+
+Prompt lookup and suffix decoding win where text is copied, EAGLE and Medusa where it is
+not; one verify call can try both. Each step both parts propose their own tree (sized
+to the whole budget); the fused drafter keeps each part's best nodes up to its share of
+`nodes` and merges them into one trie under the root (a candidate both parts propose is
+one node, costing the budget once). What a part leaves unused goes to the other.
+
+The shares follow each part's measured acceptance in this request: after every step the
+committed tokens are walked down each part's full proposal (the drafts it would have had
+accepted verifying alone), averaged over the steps where it proposed something
+(exponential decay, starting from `prior` tokens per step), and the budget is split in
+proportion. Verification is unchanged (runtime/verify.py): both parts are deterministic,
+so greedy output equals plain greedy decoding and seeded sampling equals `ar`'s.
+
+A part's config is the export's config of that method, widened to the budget where it
+has a size (EAGLE-2's total_tokens, suffix's max_nodes, prompt lookup's k); a static tree
+(Medusa, EAGLE-1) stays as exported. A request's overrides set the fused method's own
+keys only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..config import positive_int, with_overrides
+from ..errors import SpecDeployError
+from ..tree import Tree
+from .base import DecodeState, Drafter, Proposal
+
+# The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
+_SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}
+# Parts whose node order is already best-first (suffix: by empirical path probability).
+_BEST_FIRST = {"suffix", "prompt-lookup"}
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Base of the fused methods: `parts` names the two registered methods it merges."""
+
+    method: ClassVar[str]
+    parts: ClassVar[tuple[str, str]]
+
+    # candidate nodes per step (verify T = nodes + 1 = 15: the graph prompt-lookup, lookahead and
+    # suffix already use, so every export has it)
+    nodes: int = 14
+    prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
+    decay: float = 0.7  # weight of the past in each part's running acceptance (per step it proposes)
+
+    def __post_init__(self):
+        positive_int(self.nodes, f"{self.method}.nodes", 2)
+        for key, low, high in (("prior", 0.0, math.inf), ("decay", 0.0, 1.0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high \
+                    or (key == "prior" and value <= 0):
+                bound = "a number > 0" if key == "prior" else "a number in [0, 1)"
+                raise SpecDeployError(f"config: {self.method}.{key} must be {bound}, got {value!r}")
+
+    @property
+    def verify_tokens(self) -> int:
+        return self.nodes + 1
+
+
+@dataclass(frozen=True)
+class EagleSuffixConfig(FusedConfig):
+    method: ClassVar[str] = "eagle+suffix"
+    parts: ClassVar[tuple[str, str]] = ("eagle", "suffix")
+
+
+@dataclass(frozen=True)
+class EaglePromptLookupConfig(FusedConfig):
+    method: ClassVar[str] = "eagle+prompt-lookup"
+    parts: ClassVar[tuple[str, str]] = ("eagle", "prompt-lookup")
+
+
+@dataclass(frozen=True)
+class MedusaSuffixConfig(FusedConfig):
+    method: ClassVar[str] = "medusa+suffix"
+    parts: ClassVar[tuple[str, str]] = ("medusa", "suffix")
+
+
+@dataclass(frozen=True)
+class MedusaPromptLookupConfig(FusedConfig):
+    method: ClassVar[str] = "medusa+prompt-lookup"
+    parts: ClassVar[tuple[str, str]] = ("medusa", "prompt-lookup")
+
+
+CONFIGS = (EagleSuffixConfig, EaglePromptLookupConfig, MedusaSuffixConfig, MedusaPromptLookupConfig)
+
+
+def part_config(export, part: str, nodes: int):
+    """The export's config of `part`, its proposal widened to `nodes` candidates where it has a size."""
+    config = export.method_config(part)
+    key = _SIZE_KEYS.get(part)
+    if key is None or getattr(config, "mode", None) == "eagle1":  # a static tree keeps its size
+        return config
+    size = nodes
+    if part == "eagle":  # at most the candidates its top_k and depth grow
+        size = min(nodes, config.top_k + (config.depth - 1) * config.top_k ** 2)
+    return with_overrides(config, {key: size}, part)
+
+
+def build(export, config: FusedConfig) -> FusedDrafter:
+    from ..methods import method_spec  # the registry imports this module
+
+    drafters = [method_spec(p).build(export, part_config(export, p, config.nodes)) for p in config.parts]
+    for part, drafter in zip(config.parts, drafters):
+        if not drafter.deterministic:
+            raise SpecDeployError(f"method {config.method!r}: part {part!r} samples its drafts; only "
+                                  "deterministic drafters can share a tree")
+    return FusedDrafter(config, drafters)
+
+
+def priority(tree: Tree, best_first: bool) -> list[int]:
+    """A tree's candidates, best first; every node after its parent, so any prefix is a subtree.
+
+    Best-first trees keep their order. Otherwise a node's cost is its depth plus the sibling
+    ranks taken on its path (children are listed likeliest first): a child costs more than its
+    parent, and the best path's nodes come first."""
+    if best_first:
+        return list(range(1, tree.size))
+    cost = np.zeros(tree.size, dtype=np.int64)
+    for node in range(1, tree.size):
+        parent = tree.parents[node]
+        cost[node] = cost[parent] + 1 + tree.children[parent].index(node)
+    return sorted(range(1, tree.size), key=lambda n: (int(cost[n]), n))
+
+
+class MergedTree:
+    """One trie under the root, grown from several parts' nodes; a node two parts propose is one node."""
+
+    def __init__(self, root: int, budget: int):
+        self.parents, self.tokens, self.budget = [-1], [int(root)], budget
+        self._child: dict[tuple[int, int], int] = {}
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) - 1 >= self.budget
+
+    def add(self, parent: int, token: int) -> int | None:
+        """The merged node of `token` under merged node `parent` (made if new and the budget allows)."""
+        node = self._child.get((parent, token))
+        if node is None and not self.full:
+            node = self._child[(parent, token)] = len(self.tokens)
+            self.parents.append(parent)
+            self.tokens.append(token)
+        return node
+
+    def proposal(self) -> Proposal:
+        n = len(self.tokens) - 1
+        chain = self.parents == list(range(-1, n))
+        return Proposal(Tree.chain(n) if chain else Tree(tuple(self.parents)), np.array(self.tokens, dtype=np.int64))
+
+
+class _Part:
+    """One part's proposal this step and where each of its nodes went in the merged tree."""
+
+    def __init__(self, proposal: Proposal, best_first: bool):
+        self.proposal = proposal
+        self.order = priority(proposal.tree, best_first)
+        self.merged: dict[int, int] = {0: 0}
+        self.next = 0  # position in `order` of the next node to place
+
+    def place(self, merged: MergedTree, new_nodes: int) -> None:
+        """Place nodes in priority order until `new_nodes` merged nodes were made (shared ones are free)."""
+        tree, tokens = self.proposal.tree, self.proposal.tokens
+        while self.next < len(self.order) and new_nodes > 0 and not merged.full:
+            node = self.order[self.next]
+            before = len(merged.tokens)
+            placed = merged.add(self.merged[tree.parents[node]], int(tokens[node]))
+            assert placed is not None  # the budget was not full
+            self.merged[node] = placed
+            new_nodes -= len(merged.tokens) - before
+            self.next += 1
+
+
+def walked(tree: Tree, tokens: np.ndarray, committed: Sequence[int]) -> int:
+    """How many of the committed tokens (after the root) the tree proposes as a path from its root."""
+    node, n = 0, 0
+    for tok in committed:
+        node = next((c for c in tree.children[node] if tokens[c] == tok), -1)
+        if node < 0:
+            break
+        n += 1
+    return n
+
+
+class FusedDrafter(Drafter):
+    deterministic = True
+
+    def __init__(self, config: FusedConfig, parts: list[Drafter]):
+        self.config, self.parts = config, parts
+        self.name = config.method
+        self._best_first = [p in _BEST_FIRST for p in config.parts]
+
+    def prefilled(self, target_out) -> None:
+        for part in self.parts:
+            part.prefilled(target_out)
+
+    def start(self, state: DecodeState) -> None:
+        for part in self.parts:
+            part.start(state)
+        self.acceptance = [float(self.config.prior)] * len(self.parts)
+        self.last: list[_Part] = []  # this step's parts and their placement (tests read it)
+
+    def shares(self) -> list[int]:
+        """The budget split in proportion to each part's running acceptance."""
+        # a part measured at zero keeps a sliver, so both at zero split evenly
+        weights = [a + 1e-3 for a in self.acceptance]
+        budget = self.config.nodes
+        first = min(budget, round(budget * weights[0] / sum(weights)))
+        return [first, budget - first]
+
+    def propose(self, state: DecodeState) -> Proposal:
+        placed = [_Part(p.propose(state), best) for p, best in zip(self.parts, self._best_first)]
+        self.last = placed
+        merged = MergedTree(state.tokens[-1], self.config.nodes)
+        for part, share in zip(placed, self.shares()):
+            part.place(merged, share)
+        # What one part leaves unused goes to the other: the better-measured first.
+        for i in sorted(range(len(placed)), key=lambda i: -self.acceptance[i]):
+            placed[i].place(merged, self.config.nodes)
+        return merged.proposal()
+
+    def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
+        # Both parts read the merged step: the accepted path's rows (EAGLE's features, Medusa's
+        # hidden state) and the committed tokens are what they would read of their own.
+        for part in self.parts:
+            part.update(state, proposal, verdict, target_out)
+        committed = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus
+        keep = self.config.decay
+        for i, placed in enumerate(self.last):
+            if placed.proposal.tree.size > 1:  # a part that proposed nothing is not measured this step
+                got = walked(placed.proposal.tree, placed.proposal.tokens, committed)
+                self.acceptance[i] = keep * self.acceptance[i] + (1 - keep) * got
+        self.last = []

@@ -1,0 +1,111 @@
+"""Fused drafting on the micro export with EAGLE and Medusa heads: every fused method prints
+plain greedy decoding's tokens (and HF's) and `ar`'s tokens for a seed, verifies trees within
+its node budget in which a candidate both parts propose is one node, and its drafts are used.
+The merge itself on hand-built trees: tests/unit/test_fused_tree.py."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, run_cli
+
+from specdeploy.runtime.drafters.fused import CONFIGS
+from specdeploy.runtime.sampling import SamplingParams
+
+FUSED = [c.method for c in CONFIGS]
+PROMPTS = ["def f(x):\n    return x\n\n\ndef f(x):\n    return", "import os\nimport sys\n\n\nclass Config"]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def micro_heads(micro_family, tmp_path_factory):
+    """The micro target exported with its EAGLE head and Medusa heads (every fused method)."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.train.eagle import build_eagle_head
+    from specdeploy.train.medusa import build_medusa_heads
+
+    quiet = lambda m: None  # noqa: E731
+    build_medusa_heads(micro_family, "micro", progress=quiet)
+    build_eagle_head(micro_family, "micro", progress=quiet)
+    out = export_all(micro_family / "target", tmp_path_factory.mktemp("fused") / "micro",
+                     medusa=micro_family / "medusa", eagle=micro_family / "eagle", progress=quiet)
+    return LoadedExport(out)
+
+
+class Watched:
+    """A fused drafter whose proposals are kept (Generation takes a drafter built for the method)."""
+
+    def __init__(self, drafter):
+        self.inner, self.proposals, self.parts = drafter, [], []
+        self.deterministic, self.default_sampling = drafter.deterministic, drafter.default_sampling
+
+    def prefilled(self, out):
+        self.inner.prefilled(out)
+
+    def start(self, state):
+        self.inner.start(state)
+
+    def propose(self, state):
+        p = self.inner.propose(state)
+        self.proposals.append(p)
+        self.parts.append([part.proposal for part in self.inner.last])
+        return p
+
+    def update(self, *args):
+        self.inner.update(*args)
+
+
+def _paths(proposal) -> set[tuple[int, ...]]:
+    t = proposal.tree
+    return {tuple(int(proposal.tokens[n]) for n in t.path_to(i)[1:]) for i in range(1, t.size)}
+
+
+@pytest.mark.parametrize("method", FUSED)
+def test_greedy_equals_ar_and_hf_within_the_budget(micro_heads, micro_family, method):
+    from specdeploy.runtime.generate import Generation, generate
+    from specdeploy.runtime.methods import build_drafter
+
+    export, accepted, shared = micro_heads, 0, 0
+    budget = export.method_config(method).nodes
+    for prompt in PROMPTS:
+        ids = export.tokenizer.encode(prompt)
+        watched = Watched(build_drafter(export, export.method_config(method)))
+        ours = Generation(export, ids, method=method, max_new_tokens=NEW, ignore_eos=True, drafter=watched,
+                          adaptive=False).result()
+        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True)
+        assert ours.token_ids == ar.token_ids == hf_greedy(micro_family / "target", ids, NEW), (method, prompt)
+        accepted += ours.stats["accepted_drafts"]
+        for p, parts in zip(watched.proposals, watched.parts):
+            assert p.tree.size <= budget + 1 == export.method_config(method).verify_tokens
+            merged = _paths(p)
+            assert len(merged) == p.tree.size - 1  # no two nodes hold the same token path
+            both = _paths(parts[0]) & _paths(parts[1])
+            assert merged <= _paths(parts[0]) | _paths(parts[1])
+            shared += len(both & merged)
+    assert accepted > NEW // 2, method  # the drafts were used
+    assert shared > 0, method  # the parts did propose some candidates in common, merged into one node each
+
+
+@pytest.mark.parametrize("method", FUSED)
+def test_seeded_sampling_prints_ars_tokens(micro_heads, method):
+    from specdeploy.runtime.generate import generate
+
+    ids = micro_heads.tokenizer.encode(PROMPTS[0])
+    for seed in range(8):
+        for kw in (dict(temperature=0.7, top_k=20), dict(temperature=1.0, top_p=0.9)):
+            want = generate(micro_heads, ids, method="ar", params=SamplingParams(**kw, seed=seed),
+                            max_new_tokens=12, ignore_eos=True)
+            got = generate(micro_heads, ids, method=method, params=SamplingParams(**kw, seed=seed),
+                           max_new_tokens=12, ignore_eos=True, adaptive=False)
+            assert got.token_ids == want.token_ids, (method, seed, kw)
+            assert got.stats["sampling"] == "seeded"
+
+
+def test_cli_runs_a_fused_method_and_rejects_a_bad_setting(micro_heads):
+    root = str(micro_heads.manifest.root)
+    ok = run_cli("generate", root, "--prompt", "def f(x):", "--method", "eagle+suffix", "--max-new-tokens", "8",
+                 "--param", "nodes=6")
+    assert ok.returncode == 0, ok.stderr
+    bad = run_cli("generate", root, "--prompt", "def f(x):", "--method", "eagle+suffix", "--param", "nodes=64")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "needs a target graph of 65 tokens" in bad.stderr

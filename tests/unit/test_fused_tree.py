@@ -1,0 +1,122 @@
+"""Fused drafting's tree work (runtime/drafters/fused.py) on hand-built trees: the merge keeps
+the node budget, a candidate both parts propose is one node, each part's best nodes go in first,
+and the budget follows the measured acceptance. On exports: tests/test_fused_drafting.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdeploy.runtime.drafters.base import DecodeState, Drafter, Proposal
+from specdeploy.runtime.drafters.fused import EagleSuffixConfig, FusedDrafter, MergedTree, priority, walked
+from specdeploy.runtime.errors import SpecDeployError
+from specdeploy.runtime.methods import method_spec
+from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.tree import Tree
+from specdeploy.runtime.verify import Verdict
+
+
+class Fixed(Drafter):
+    """Proposes the same tree every step (the tokens after the root are fixed)."""
+
+    def __init__(self, parents: tuple[int, ...], tokens: list[int]):
+        self.tree, self.tokens = Tree(parents), tokens
+
+    def propose(self, state):
+        return Proposal(self.tree, np.array([state.tokens[-1], *self.tokens], dtype=np.int64))
+
+
+def paths(proposal: Proposal) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of a proposal (the root's token left out)."""
+    t = proposal.tree
+    return {tuple(int(proposal.tokens[n]) for n in t.path_to(i)[1:]) for i in range(1, t.size)}
+
+
+def state() -> DecodeState:
+    return DecodeState([1, 2, 3], SamplingParams(), np.random.default_rng(0))
+
+
+def fused(a: Drafter, b: Drafter, **config) -> FusedDrafter:
+    d = FusedDrafter(EagleSuffixConfig(**config), [a, b])
+    d.start(state())
+    return d
+
+
+def test_shared_candidates_are_one_node_and_cost_the_budget_once():
+    # a: 10 -> 11 -> 12 (chain); b: 10 -> 11 -> 13 and 10 -> 14
+    a = Fixed((-1, 0, 1, 2), [10, 11, 12])
+    b = Fixed((-1, 0, 1, 2, 1), [10, 11, 13, 14])
+    p = fused(a, b, nodes=6).propose(state())
+    assert paths(p) == {(10,), (10, 11), (10, 11, 12), (10, 11, 13), (10, 14)}
+    assert p.tree.size == 6  # 5 candidates: the shared 10 -> 11 counted once
+    assert len({tuple(x) for x in (p.tree.path_to(i) for i in range(p.tree.size))}) == p.tree.size
+    children = [(int(p.tokens[c]), parent) for parent, kids in enumerate(p.tree.children) for c in kids]
+    assert len(children) == len(set(children))  # no two siblings hold the same token
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 5, 8])
+def test_the_merged_tree_keeps_the_node_budget_and_is_a_tree(nodes):
+    a = Fixed((-1, 0, 1, 2, 3, 4, 5), [20, 21, 22, 23, 24, 25])  # a long copy
+    b = Fixed((-1, 0, 0, 1, 1, 2, 3), [30, 31, 32, 33, 34, 35])  # a bushy head tree
+    d = fused(a, b, nodes=nodes)
+    p = d.propose(state())
+    assert p.tree.size == nodes + 1  # both parts had more than enough: the budget is used, not exceeded
+    assert p.tokens[0] == 3 and len(p.tokens) == p.tree.size
+    assert paths(p) <= {q for q in paths(a.propose(state())) | paths(b.propose(state()))}
+
+
+def test_a_part_with_nothing_to_propose_leaves_the_whole_budget_to_the_other():
+    a = Fixed((-1,), [])
+    b = Fixed((-1, 0, 1, 2, 3, 4), [5, 6, 7, 8, 9])
+    p = fused(a, b, nodes=4).propose(state())
+    assert paths(p) == {(5,), (5, 6), (5, 6, 7), (5, 6, 7, 8)}
+
+
+def test_priority_takes_the_best_path_first_and_parents_before_children():
+    # children listed likeliest first: 1, 2, 3 (ranks 0, 1, 2) under the root; 4 under 1, 5 under 4
+    t = Tree((-1, 0, 0, 0, 1, 4))
+    order = priority(t, best_first=False)
+    assert order == [1, 2, 4, 3, 5]  # cost = depth + sibling ranks: 1, 2, 3, 2, 3
+    assert priority(t, best_first=True) == [1, 2, 3, 4, 5]
+    for k in range(len(order)):
+        kept = set(order[:k]) | {0}
+        assert all(t.parents[n] in kept for n in kept if n)  # any prefix is a subtree
+
+
+def test_walked_counts_the_committed_tokens_a_tree_proposed():
+    t = Tree((-1, 0, 1, 0))
+    tokens = np.array([0, 5, 6, 7])
+    assert walked(t, tokens, [5, 6, 9]) == 2
+    assert walked(t, tokens, [7, 1]) == 1
+    assert walked(t, tokens, [8]) == 0
+
+
+def test_the_budget_follows_measured_acceptance():
+    a = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [40 + i for i in range(10)])
+    b = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [60 + i for i in range(10)])
+    d = fused(a, b, nodes=10)
+    assert d.shares() == [5, 5]  # the prior: an even split
+    s = state()
+    for _ in range(6):  # the target keeps taking b's copy
+        p = d.propose(s)
+        path = [0] + [i for i in range(1, p.tree.size) if 60 <= p.tokens[i] < 70][:4]
+        s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
+        d.update(s, p, Verdict(path, 99), None)
+    first, second = d.shares()
+    assert second > first and first + second == 10
+    p = d.propose(s)
+    assert sum(60 <= t < 70 for t in p.tokens) == second
+
+
+@pytest.mark.parametrize("bad", [{"nodes": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"}, {"decay": 1.0},
+                                 {"decay": -0.1}])
+def test_bad_configs_get_one_clear_error(bad):
+    with pytest.raises(SpecDeployError, match=r"config: eagle\+suffix\."):
+        method_spec("eagle+suffix").parse(bad)
+
+
+def test_unknown_keys_are_rejected_and_the_verify_size_is_the_budget():
+    with pytest.raises(SpecDeployError, match="unknown eagle\\+suffix keys"):
+        method_spec("eagle+suffix").parse({"k": 3})
+    assert method_spec("medusa+prompt-lookup").parse({"nodes": 8}).verify_tokens == 9
+    assert MergedTree(0, 3).proposal().tree.size == 1
