@@ -184,3 +184,12 @@ serve-deps: setup
 	$(VPY) -m pip install -q -e ".[ray]" "tritonclient[http,grpc]>=2.50,<3"
 	test -x $(TRITON_VENV)/bin/python || $(VPY) -c "import sys, venv; venv.create(sys.argv[1], with_pip=True)" $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q -e ".[triton]"
+
+# Soak test (not part of `make test`): a real server on the default export (else the micro family) under
+# 16 mixed clients for DURATION seconds (disconnects and bad requests included); asserts no 5xx, the pool
+# idle afterwards, RSS, fds and threads flat, greedy answers unchanged. Report: bench_out/soak.json.
+DURATION ?= 600
+SOAK_ARGS ?= --clients 16
+.PHONY: soak
+soak: setup
+	$(VPY) tests/soak.py --seconds $(DURATION) $(SOAK_ARGS) --json bench_out/soak.json

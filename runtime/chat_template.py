@@ -140,4 +140,4 @@ def _generation_extension():
 
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of a rendered chat prompt: the template already wrote BOS and the like, so no more are added."""
-    return tokenizer.tok.encode(text, add_special_tokens=False).ids
+    return tokenizer.tok.encode_batch([text], add_special_tokens=False)[0].ids  # releases the GIL (see encode)

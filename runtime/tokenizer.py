@@ -25,8 +25,9 @@ class TextTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """As the model's own tokenizer does by default (its post-processor decides BOS)."""
-        return self.tok.encode(text, add_special_tokens=True).ids
+        """As the model's own tokenizer does by default (its post-processor decides BOS). A batch of one:
+        `encode_batch` releases the GIL, `encode` would hold it (and a server's event loop) throughout."""
+        return self.tok.encode_batch([text], add_special_tokens=True)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

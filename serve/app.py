@@ -39,7 +39,7 @@ from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
 from .schemas import ChatRequest, CompletionRequest, parse_json, served_schema, stop_strings, validate
-from .security import AccessGuardMiddleware, RequestIdMiddleware
+from .security import AccessGuardMiddleware, ConnectionLimitMiddleware, RequestIdMiddleware
 from .template_sandbox import TemplateFailure, TemplateSandbox, TemplateTimeout
 
 log = logging.getLogger("specdeploy.serve")
@@ -51,6 +51,15 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": 
 
 class _ClientGone(Exception):
     pass
+
+
+class _Overrun(Exception):
+    """Work past its time limit that runs on in a thread (which cannot be stopped): `error` is the answer;
+    the request keeps its admission until `work` ends, so admission still bounds such threads."""
+
+    def __init__(self, work: asyncio.Future, error: ApiError):
+        super().__init__(error.message)
+        self.work, self.error = work, error
 
 
 class _Deadline:
@@ -89,6 +98,7 @@ class Server:
         self.limits = limits
         self.model_len = limits.model_len(service.max_context)
         self.admission = Admission(limits.concurrent(service.pool.size, service.pool.queue_size))
+        self.connection_limit = limits.connections(self.admission.limit)
 
     # -- admission and request parsing -------------------------------------------------
     def admit(self, request: Request) -> Admitted:
@@ -132,15 +142,17 @@ class Server:
         return b"".join(raw)
 
     async def encode(self, text: str, rendered: bool = False) -> list[int]:
-        """Off the event loop; a tokenizer that takes too long is answered (its thread ends on its own:
-        admission bounds how many there are, the body limit how long each runs)."""
+        """Off the event loop; a tokenizer that takes too long is answered at once (its thread ends on its
+        own: the body limit bounds how long it runs, admission how many run, see _Overrun)."""
         tok = self.service.tokenizer
-        work = run_in_threadpool(encode_rendered, tok, text) if rendered else run_in_threadpool(tok.encode, text)
+        work = asyncio.ensure_future(run_in_threadpool(encode_rendered, tok, text) if rendered
+                                     else run_in_threadpool(tok.encode, text))
         try:
-            return await asyncio.wait_for(work, self.limits.tokenize_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(work), self.limits.tokenize_timeout_s)
         except asyncio.TimeoutError:
-            raise internal(f"tokenizing the prompt took longer than {self.limits.tokenize_timeout_s:g} s",
-                           "tokenize_timeout") from None
+            raise _Overrun(work, internal(f"tokenizing the prompt took longer than "
+                                          f"{self.limits.tokenize_timeout_s:g} s (--tokenize-timeout)",
+                                          "tokenize_timeout")) from None
 
     async def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -242,6 +254,11 @@ class Server:
                 raise deadline.error()
             req = run.request
             return JSONResponse(shape.response(req.text, req.finish_reason, self.usage(req), public_stats(req.stats)))
+        except _Overrun as overrun:
+            held, admitted = admitted, None
+            deadline.stop()
+            overrun.work.add_done_callback(lambda work: _release_after(work, held))
+            raise overrun.error from None
         finally:
             if admitted is not None:
                 deadline.stop()
@@ -323,6 +340,13 @@ class _Cleanup:
         self.admitted.release()
 
 
+def _release_after(work: asyncio.Future, admitted: Admitted) -> None:
+    """Done callback of an overrun's work: frees its admission and takes its outcome (nobody awaits it)."""
+    admitted.release()
+    if not work.cancelled():
+        work.exception()
+
+
 async def _unless_disconnected(request: Request, awaitable, run: AsyncRequest):
     """Await `awaitable`, but cancel the run and raise _ClientGone if the client disconnects first."""
     task = asyncio.ensure_future(awaitable)
@@ -398,8 +422,10 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
 
     app = FastAPI(title="specdeploy", version="1", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
-    # Outermost first at run time: request id, CORS (answers preflights), metrics (counts refusals too), guard.
+    # Outermost first at run time: request id, CORS (answers preflights), metrics (counts refusals too),
+    # connection limit, guard.
     app.add_middleware(AccessGuardMiddleware, api_key=api_key, allowed_origins=list(allowed_origins or []))
+    app.add_middleware(ConnectionLimitMiddleware, limit=server.connection_limit)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],

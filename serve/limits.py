@@ -6,12 +6,15 @@ from dataclasses import dataclass
 
 from ..runtime.errors import SpecDeployError
 
+CONNECTION_HEADROOM = 64  # requests in progress beyond the admitted generations: /v1/models, refusals
+
 
 @dataclass(frozen=True)
 class ServeLimits:
     max_model_len: int | None = None  # prompt + completion tokens; None: the export's max_context
     max_tokens: int | None = None  # completion tokens per request; None: what the context leaves
     max_concurrent_requests: int | None = None  # generation requests admitted at once; None: workers + queue
+    max_connections: int | None = None  # HTTP requests in progress; None: concurrent + CONNECTION_HEADROOM
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # to receive the whole body
     max_stop: int = 16  # stop strings per request (OpenAI allows 4)
@@ -22,7 +25,7 @@ class ServeLimits:
     template_processes: int = 2
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_tokens", "max_concurrent_requests"):
+        for name in ("max_model_len", "max_tokens", "max_concurrent_requests", "max_connections"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise SpecDeployError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -45,3 +48,7 @@ class ServeLimits:
 
     def concurrent(self, pool_size: int, queue_size: int) -> int:
         return self.max_concurrent_requests or pool_size + queue_size
+
+    def connections(self, concurrent: int) -> int:
+        """HTTP requests in progress at once (generation requests past `concurrent` get 429 first)."""
+        return self.max_connections or concurrent + CONNECTION_HEADROOM

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
+from .limits import CONNECTION_HEADROOM
 
 API_KEY_ENV = "SPECDEPLOY_API_KEY"
-CONNECTION_HEADROOM = 64  # connections beyond the admitted requests: /health, /metrics, refusals, keep-alive
 
 
 def is_loopback(host: str) -> bool:
@@ -37,14 +37,17 @@ def run_server(args) -> int:
                               "pip install 'specdeploy[serve]'") from None
     from ..runtime.service import Service
     from .limits import ServeLimits
+    from .security import uvicorn_limit
 
     if not 0 <= args.port <= 65535:
         raise SpecDeployError(f"--port must be in [0, 65535], got {args.port}")
     limits = ServeLimits(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
-                         max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
+                         max_concurrent_requests=args.max_concurrent_requests, max_connections=args.max_connections,
+                         max_body_bytes=args.max_body_bytes,
                          body_timeout_s=args.body_timeout,
                          max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
-                         request_timeout_s=args.request_timeout or None, template_timeout_s=args.template_timeout)
+                         request_timeout_s=args.request_timeout or None, template_timeout_s=args.template_timeout,
+                         tokenize_timeout_s=args.tokenize_timeout)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
     if "*" in origins:
@@ -78,7 +81,7 @@ def run_server(args) -> int:
           f"API key {'required' if api_key else 'not set'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                 timeout_graceful_shutdown=5,
-                limit_concurrency=args.max_connections or server.admission.limit + CONNECTION_HEADROOM)
+                limit_concurrency=uvicorn_limit(server.connection_limit))  # the app answers first, in JSON
     return 0
 
 
@@ -105,8 +108,8 @@ def add_serve_arguments(s) -> None:
                    "the context leaves)")
     s.add_argument("--max-concurrent-requests", type=int, help="generation requests admitted at once, parsing "
                    "and queued included; beyond: 429 (default: pool size + queue)")
-    s.add_argument("--max-connections", type=int, help="open HTTP connections; beyond: 503 "
-                   f"(default: max concurrent requests + {CONNECTION_HEADROOM})")
+    s.add_argument("--max-connections", type=int, help="HTTP requests in progress (health and metrics "
+                   f"aside); beyond: 503 (default: max concurrent requests + {CONNECTION_HEADROOM})")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size; beyond: 413")
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body; then 408")
     s.add_argument("--max-stop", type=int, default=16, help="stop strings per request")
@@ -114,6 +117,7 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from arrival to the last token, queue included; then 504 (0: no limit)")
     s.add_argument("--template-timeout", type=float, default=2.0, help="seconds to render one chat prompt")
+    s.add_argument("--tokenize-timeout", type=float, default=10.0, help="seconds to tokenize one prompt; then 500")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--access-log", action="store_true", help="uvicorn's access log (request ids are logged anyway)")
     from .ray_main import add_ray_arguments

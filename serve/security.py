@@ -1,4 +1,5 @@
-"""Who may call the server: API key, browser origins, request ids (pure ASGI middlewares).
+"""Who may call the server, and how many at once: API key, browser origins, request ids, a
+connection limit (pure ASGI middlewares).
 
 A browser page of any origin can POST to a server it can reach (loopback included, and via
 DNS rebinding even "same-origin"), so: no CORS headers unless `--allowed-origins` names the
@@ -21,6 +22,7 @@ from .errors import error_body
 log = logging.getLogger("specdeploy.serve")
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+MONITOR_PATHS = frozenset({"/health", "/metrics"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -93,3 +95,36 @@ class AccessGuardMiddleware:
         scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
         given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
         return hmac.compare_digest(given, self.api_key)
+
+
+class ConnectionLimitMiddleware:
+    """At most `limit` HTTP requests in progress at once; past it, an OpenAI-style JSON 503 at once.
+
+    Counted here rather than left to uvicorn's `limit_concurrency`, which answers a plain-text
+    503: uvicorn's limit is set a little higher (`uvicorn_limit`) as the hard backstop for what
+    this cannot see (idle keep-alive connections, requests not yet parsed). /health and /metrics
+    are neither counted nor refused, so a saturated server can still be watched.
+    """
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+        self.active = 0  # event loop only: no lock
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in MONITOR_PATHS:
+            return await self.app(scope, receive, send)
+        if self.active >= self.limit:
+            return await send_error(send, 503, f"server at its connection limit ({self.limit} requests in "
+                                    "progress, --max-connections); retry later", "too_many_connections",
+                                    {"Retry-After": "1"})
+        self.active += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
+def uvicorn_limit(connection_limit: int) -> int:
+    """uvicorn's own limit for a server that refuses past `connection_limit` itself: above it, so that
+    uvicorn's plain-text 503 is only a backstop (it counts the connection being answered, hence + 1)."""
+    return connection_limit + max(8, connection_limit // 4) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import threading
@@ -469,6 +470,89 @@ def test_request_deadline(deadline_server):
     _wait_idle(deadline_server)
     assert httpx.post(f"{deadline_server.url}/v1/completions", json={**body, "max_tokens": 4},
                       timeout=30).status_code == 200
+
+
+def _held_request(srv: ServerProcess) -> socket.socket:
+    """A request in progress until the test closes it: headers sent, the promised body never comes."""
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n")
+    return sock
+
+
+def test_past_max_connections_is_a_json_503(chat_export):
+    """Past --max-connections the app answers an OpenAI-style 503 (uvicorn's own plain-text 503 is only a
+    backstop further up, which idle connections alone do not reach); /health stays answerable."""
+    with ServerProcess(chat_export, "--pool-size", "1", "--max-connections", "3") as srv:
+        held = [_held_request(srv) for _ in range(3)]
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
+        _wait_for(lambda: srv.health()["in_flight"] == 3)
+        resp = httpx.get(f"{srv.url}/v1/models", timeout=10)
+        assert resp.status_code == 503 and resp.headers["content-type"] == "application/json", resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "too_many_connections" and error["type"] == "internal_error"
+        assert "--max-connections" in error["message"] and resp.headers["retry-after"] == "1"
+        assert resp.headers["x-request-id"]
+        with pytest.raises(openai.InternalServerError) as err:
+            make_client(srv).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert err.value.status_code == 503 and err.value.body["code"] == "too_many_connections"
+        assert metric_value(srv.metrics(), "specdeploy_requests_total", status="503") == 2
+        for sock in held + idle:
+            sock.close()
+        _wait_for(lambda: srv.health()["in_flight"] == 0)
+        assert make_client(srv).completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert "Traceback" not in srv.log()
+
+
+def test_tokenizer_timeout_is_answered_and_frees_everything(chat_export):
+    """A prompt that takes the tokenizer far longer than --tokenize-timeout: a 500 `tokenize_timeout` at
+    the limit (not once the tokenizer is done), the request's admission freed when the tokenizer's thread
+    ends, the server serving throughout."""
+    from tokenizers import Tokenizer
+
+    rng = random.Random(0)
+    words = ("alpha", "brown", "quick", "lazy", "river", "stone", "zeta", "kettle")
+    prompt = " ".join(f"{rng.choice(words)}{rng.randrange(1000)}" for _ in range(120_000))[:900_000]
+    tokenizer = Tokenizer.from_file(str(chat_export / "tokenizer" / "tokenizer.json"))
+    t0 = time.perf_counter()
+    tokenizer.encode(prompt)
+    whole = time.perf_counter() - t0  # what the server's tokenizer needs for it, on this machine now
+    limit = min(0.25, whole / 4)
+    with ServerProcess(chat_export, "--pool-size", "1", "--tokenize-timeout", str(limit)) as srv:
+        t0 = time.perf_counter()
+        resp = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                          timeout=60)
+        elapsed = time.perf_counter() - t0
+        assert resp.status_code == 500, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "tokenize_timeout" and error["type"] == "internal_error"
+        assert f"{limit:g} s" in error["message"]
+        assert elapsed < whole, (elapsed, whole)  # did not wait for the tokenizer (it used to hold the GIL)
+        health = srv.health()
+        if time.perf_counter() - t0 < whole / 2:  # the tokenizer's thread runs on, holding its admission
+            assert health["in_flight"] == 1, health
+        assert health["in_use"] == 0 and health["waiting"] == 0
+        _wait_for(lambda: srv.health()["in_flight"] == 0, timeout=30 + 2 * whole)
+        _wait_for(lambda: make_client(srv).completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                                              temperature=0).usage.completion_tokens == 2)
+        assert metric_value(srv.metrics(), "specdeploy_requests_total", status="500") == 1
+        assert "Traceback" not in srv.log()
+
+
+def test_short_soak(chat_export):
+    """tests/soak.py for seconds: mixed methods, streams, disconnects and bad requests on a fresh server;
+    every bad request gets its 4xx, nothing 5xx, the pool idles, fds return, greedy answers unchanged.
+    (RSS flatness needs minutes: `make soak`.)"""
+    from soak import soak
+
+    report = soak(chat_export, seconds=20, clients=8, pool_size=2, interval=5, warmup_s=None, settle_s=1,
+                  bad_fraction=0.25, disconnect_fraction=0.15)
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
+    checks = {k: v for k, v in report["checks"].items() if k != "RSS flat after warm-up"}
+    assert all(checks.values()), (checks, report["problems"])
+    kinds = report["kinds"]
+    assert kinds.get("stream", 0) and kinds.get("non-stream", 0) and report["classes"]["4xx"] >= 3
+    assert any(k.startswith("disconnect") for k in kinds)
 
 
 # ------------------------------------------------------------------------------ observability and load
