@@ -12,9 +12,16 @@ Shipped sets (written once, never tuned on: no method's settings were chosen by 
 - `grounded`: input-grounded requests, the answer mostly in the prompt: summarize, correct or
   restructure a given text, or edit / explain a given function (chat template);
 - `grounded-raw`: the toy family's grounded set, which has no chat template: repeat a given
-  function with a variable renamed (raw; cut from train/corpus.py).
-A model with a chat template gets chat, code and grounded; one without gets code and
-grounded-raw (shown as `grounded`).
+  function with a variable renamed (raw; cut from train/corpus.py);
+- `repeated`: a repeated-task workload, the same kind of request many times with other data,
+  as agents send (extract fields from a record as JSON; chat template); `repeated-raw`, the toy
+  family's: the same kind of small function many times (raw, hand-written).
+A model with a chat template gets chat, code, grounded and repeated; one without gets code,
+grounded-raw and repeated-raw (shown as `grounded`, `repeated`).
+
+A set named `repeated...` (a --prompts file's stem too) is a warm-cache set: the bench keeps
+suffix decoding's cross-request cache across its prompts (each pass over the set starts empty),
+the workload that cache is for; every other set runs each prompt with an empty cache.
 
     python -m specdeploy.bench.prompts      # regenerate the raw sets from train/corpus.py
 """
@@ -27,9 +34,14 @@ from pathlib import Path
 from ..runtime.errors import SpecDeployError
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
-CHAT_SETS = ("chat", "code", "grounded")  # models with a chat template (the real default model)
-RAW_SETS = ("code", "grounded-raw")  # models without one (the toy family)
+CHAT_SETS = ("chat", "code", "grounded", "repeated")  # models with a chat template (the real default model)
+RAW_SETS = ("code", "grounded-raw", "repeated-raw")  # models without one (the toy family)
 PER_SET = 16
+
+
+def warm_cache(set_name: str) -> bool:
+    """A repeated-task set: its prompts may be drafted from the set's earlier outputs."""
+    return set_name.startswith("repeated")
 
 
 def load_items(path: str | Path) -> list[dict]:
@@ -102,13 +114,15 @@ def has_chat_template(export) -> bool:
 
 
 def shipped_sets(chat: bool = True) -> dict[str, Path]:
-    """Set name -> file: chat, code, grounded for a chat model; code, grounded (raw) otherwise."""
+    """Set name -> file: chat, code, grounded, repeated for a chat model; code, grounded and repeated
+    (raw) otherwise."""
     names = CHAT_SETS if chat else RAW_SETS
     return {name.removesuffix("-raw"): PROMPT_DIR / f"{name}.jsonl" for name in names}
 
 
 def regenerate(per_set: int = PER_SET) -> None:
-    """Rewrite the raw sets (code, grounded-raw) from train/corpus.py; chat and grounded are hand-written."""
+    """Rewrite the raw sets (code, grounded-raw) from train/corpus.py; chat, grounded and the
+    repeated sets are hand-written."""
     from ..train import corpus  # only here: the corpus walks the stdlib
 
     texts = {"code": corpus.heldout_prompts(per_set), "grounded-raw": corpus.grounded_prompts(per_set)}

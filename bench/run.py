@@ -6,7 +6,13 @@ Fairness rules (the README of the numbers, enforced here):
 - the same thread budget for every system (--threads, 2 by default), one generation at a time;
 - interleaved: for each repeat, for each prompt, every system runs (order rotated), so
   drift in the machine's load hits all systems alike;
-- one warm-up generation per worker, not counted; the median over repeats per prompt.
+- one warm-up generation per worker, not counted; per prompt the median run over repeats (its
+  time, tokens and target calls: tokens/s and acceptance length come from the same runs);
+- no run learns from another: suffix decoding's cross-request cache (suffix and the fused
+  methods with a suffix part) is emptied before every run, except on the repeated-task sets
+  (bench/prompts.py: warm_cache), where the warm cache is the point: emptied at the start of
+  each pass over the set, so a prompt is drafted from the set's earlier prompts' outputs in
+  that pass, never from its own earlier runs.
 
 Each row's share of the roofline (bench/roofline.py): its target passes per second times
 the bytes one pass reads, over the machine's read bandwidth, measured before the workers
@@ -17,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,11 +33,12 @@ from ..runtime.config import to_dict
 from ..runtime.errors import SpecDeployError
 from . import llamacpp, machine, roofline
 from . import peers as peerlib
-from .prompts import encode_items, has_chat_template, load_items, shipped_sets
+from .prompts import encode_items, has_chat_template, load_items, shipped_sets, warm_cache
 from .workers import Worker, WorkerFailed
 
 SYSTEMS = ("specdeploy", "hf", "optimum", "ortgenai", "llamacpp", "llamacpp-q4_1")
-ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix")
+ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "eagle+suffix",
+               "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup")
 PEERS = SYSTEMS[1:]
 # Which of our methods each peer has an equivalent of; the others are reported as skipped.
 PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",),
@@ -273,9 +279,10 @@ def run_bench(opts: BenchOptions) -> dict:
     return _aggregate(live, sets, samples, skipped, opts, export, info, bandwidth)
 
 
-def _request(ids: list[int], opts: BenchOptions) -> dict:
+def _request(ids: list[int], opts: BenchOptions, fresh_cache: bool = True) -> dict:
+    """`fresh_cache`: the run starts with an empty cross-request cache (systems that have one)."""
     return {"op": "run", "prompt_ids": ids, "max_new_tokens": opts.max_new_tokens,
-            "temperature": opts.temperature, "seed": opts.seed}
+            "temperature": opts.temperature, "seed": opts.seed, "fresh_cache": fresh_cache}
 
 
 def _warm_up(workers, sets, opts, failed) -> None:
@@ -302,7 +309,8 @@ def _interleave(workers, sets, opts, samples, failed) -> None:
                 for w in order:
                     time.sleep(SETTLE_S)
                     try:
-                        reply = w.call(_request(ids, opts), RUN_TIMEOUT_S)
+                        reply = w.call(_request(ids, opts, fresh_cache=i == 0 or not warm_cache(set_name)),
+                                       RUN_TIMEOUT_S)
                     except WorkerFailed as exc:
                         failed[w.label] = str(exc)
                         w.kill()
@@ -331,14 +339,17 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                 runs = samples.get((set_name, w.label, i), [])
                 if not runs:
                     continue
-                med = statistics.median(r["seconds"] for r in runs)
+                # The median run (the lower one of an even count): its time, tokens and calls together,
+                # so tokens/s and acceptance length describe the same runs.
+                median_run = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+                med = median_run["seconds"]
                 toks = runs[0]["token_ids"]
                 seconds += med
-                new_tokens += len(toks)
-                if runs[0].get("target_calls") is None:
+                new_tokens += len(median_run["token_ids"])
+                if median_run.get("target_calls") is None:
                     calls_known = False
                 else:
-                    calls += runs[0]["target_calls"]
+                    calls += median_run["target_calls"]
                 if greedy and any(r["token_ids"] != toks for r in runs[1:]):
                     unstable += 1
                 if i in reference and toks != reference[i]:
@@ -347,7 +358,8 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                     mismatched.append({"prompt": i, "first_diff": diff, "tokens": len(toks)})
                 per_prompt.append({"prompt_set": set_name, "system": w.system, "method": w.method, "prompt": i,
                                    "prompt_tokens": len(prompts[i]), "new_tokens": len(toks), "median_s": med,
-                                   "seconds": [r["seconds"] for r in runs], "target_calls": runs[0].get("target_calls"),
+                                   "seconds": [r["seconds"] for r in runs],
+                                   "target_calls": median_run.get("target_calls"),
                                    "token_ids": toks})
             if not new_tokens:
                 continue
@@ -371,7 +383,9 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                                                                  "prompt_tokens": [len(p) for p in sets[k]]}
                                                              for k, v in opts.prompt_files.items()},
                  "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature, "greedy": greedy,
-                 "ignore_eos": True, "repeats": opts.repeats, "warmup": 1, "statistic": "median of repeats per prompt",
+                 "ignore_eos": True, "repeats": opts.repeats, "warmup": 1,
+                 "statistic": "median run of the repeats per prompt",
+                 "warm_cache_sets": [k for k in sets if warm_cache(k)],
                  "threads": opts.threads, "ort_spinning": opts.ort_spinning, "reference": ref_label,
                  "methods": {name: to_dict(config) for name, config in export.methods.items()},
                  "versions": _versions()},

@@ -27,6 +27,7 @@ class Specdeploy:
         self.export = LoadedExport(setup["export"], backend="ort-cpu", threads=setup["threads"])
         self.method = setup["method"]
         config = self.export.method_config(self.method)  # not exported -> a clear error now, not mid-run
+        self.suffix_caches = suffix_caches(self.export, config)
         target = self.export.decoder("target")
         self.info = {"method_params": to_dict(config), "thread_pool": thread_pool_mode(),
                      "graphs": "fused" if target.fused else "portable"}
@@ -35,12 +36,26 @@ class Specdeploy:
         from ..runtime.generate import generate
         from ..runtime.sampling import SamplingParams
 
+        if req.get("fresh_cache"):  # no earlier run's output may be proposed to this one
+            for cache in self.suffix_caches:
+                cache.clear()
         params = SamplingParams(req["temperature"], seed=req.get("seed"))
         res = generate(self.export, req["prompt_ids"], method=self.method, params=params,
                        max_new_tokens=req["max_new_tokens"], ignore_eos=True)
         # checked after the first run too: lazy imports would show up only then
         self.info["torch_imported"] = "torch" in sys.modules or "transformers" in sys.modules
         return res.token_ids, res.stats["target_calls"]
+
+
+def suffix_caches(export, config) -> list:
+    """The cross-request suffix caches (runtime/drafters/suffix.py) a method's drafter reads:
+    suffix's own, or a fused method's suffix part's."""
+    from ..runtime.drafters.fused import FusedConfig, part_configs
+    from ..runtime.drafters.suffix import SuffixConfig, shared_cache
+
+    configs = part_configs(export, config).values() if isinstance(config, FusedConfig) else [config]
+    caches = [shared_cache(export, c) for c in configs if isinstance(c, SuffixConfig)]
+    return [c for c in caches if c is not None]
 
 
 def _counting(model):

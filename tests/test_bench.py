@@ -108,13 +108,80 @@ def test_shipped_prompt_sets():
     from specdeploy.bench.prompts import load_items, load_prompts, shipped_sets
 
     chat, raw = shipped_sets(chat=True), shipped_sets(chat=False)
-    assert set(chat) == {"chat", "code", "grounded"} and set(raw) == {"code", "grounded"}
+    assert set(chat) == {"chat", "code", "grounded", "repeated"} and set(raw) == {"code", "grounded", "repeated"}
     for path in {*chat.values(), *raw.values()}:
         items = load_items(path)
         assert len(items) >= 8 and len({json.dumps(i) for i in items}) == len(items)
     assert all("chat" in i for i in load_items(chat["chat"]) + load_items(chat["grounded"]))
     assert all(p.startswith("# Original:") for p in load_prompts(raw["grounded"]))
     assert chat["code"] == raw["code"] and all("prompt" in i for i in load_items(chat["code"]))
+    # the repeated-task sets: one kind of request, other data each time
+    assert len({i["system"] for i in load_items(chat["repeated"])}) == 1
+    assert len({i["chat"].split("\n\n")[0] for i in load_items(chat["repeated"])}) == 1
+    assert all(p.startswith("class ") for p in load_prompts(raw["repeated"]))
+
+
+def _suffix_worker(export, tmp_path, method="suffix"):
+    from specdeploy.bench import run
+    from specdeploy.bench.workers import Worker
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    opts = run.BenchOptions(export=export, threads=1)
+    loaded = LoadedExport(export)
+    w = Worker("specdeploy", method, run._setup_message("specdeploy", method, opts, loaded, {}),
+               tmp_path / "worker.log", opts.peers_dir)
+    w.launch()
+    w.ready(120)
+    return w, loaded
+
+
+def test_a_fresh_suffix_cache_per_run_unless_the_set_keeps_it_warm(micro_export, tmp_path):
+    """The bench's suffix worker: a run asking for a fresh cache drafts as the first run did (nothing
+    learnt from it); one that keeps the cache proposes the earlier run's whole answer."""
+    from specdeploy.bench import run
+
+    w, export = _suffix_worker(micro_export, tmp_path)
+    try:
+        ids = export.tokenizer.encode(PROMPT)
+        opts = run.BenchOptions(export=micro_export, max_new_tokens=32)
+        calls = [w.call(run._request(ids, opts, fresh_cache=fresh), 120)["target_calls"]
+                 for fresh in (True, True, False)]
+    finally:
+        w.close()
+    assert calls[0] == calls[1]  # the second run did not see the first one's output
+    assert calls[2] < calls[1] / 2  # the warm cache drafts the repeated answer in long runs
+
+
+def test_warm_cache_sets_start_each_pass_empty_and_other_sets_every_run():
+    from specdeploy.bench import run
+
+    class Recorder:  # records what the bench asks a worker; the worker's side is tested above
+        label, asked = "specdeploy/suffix", []
+
+        def call(self, msg, timeout):
+            self.asked.append(msg["fresh_cache"])
+            return {"token_ids": [1], "seconds": 0.1, "target_calls": 1}
+
+    w = Recorder()
+    opts = run.BenchOptions(export="x", repeats=2)
+    run._interleave([w], {"code": [[1], [2]], "repeated": [[1], [2], [3]]}, opts, {}, {})
+    assert w.asked == [True, True, True, False, False] * 2
+
+
+def test_tokens_per_s_and_acceptance_come_from_the_same_median_run():
+    from specdeploy.bench import run
+
+    workers = [SimpleNamespace(label="specdeploy/suffix", system="specdeploy", method="suffix", peak_rss_mb=1.0,
+                               info={})]
+    toks = list(range(12))
+    runs = [{"token_ids": toks, "seconds": s, "target_calls": c} for s, c in ((0.9, 12), (0.2, 2), (0.5, 6))]
+    export = SimpleNamespace(manifest=SimpleNamespace(models={}, raw={}, dtype="float32"), methods={})
+    opts = run.BenchOptions(export="x", prompt_files={"code": "code.jsonl"})
+    res = run._aggregate(workers, {"code": [[1]]}, {("code", "specdeploy/suffix", 0): runs}, [], opts, export, {},
+                         None)
+    row = res["results"][0]
+    assert row["seconds"] == 0.5 and row["target_calls"] == 6  # the median run's time and its calls
+    assert row["tokens_per_s"] == pytest.approx(12 / 0.5) and row["acceptance_length"] == pytest.approx(12 / 6)
 
 
 SMOLLM2 = BUILD / "models" / "smollm2-135m-instruct"

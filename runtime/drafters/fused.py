@@ -105,10 +105,15 @@ def part_config(export, part: str, nodes: int):
     return with_overrides(config, {key: size}, part)
 
 
+def part_configs(export, config: FusedConfig) -> dict:
+    """{part: the config its drafter is built with} over this export."""
+    return {p: part_config(export, p, config.nodes) for p in config.parts}
+
+
 def build(export, config: FusedConfig) -> FusedDrafter:
     from ..methods import method_spec  # the registry imports this module
 
-    drafters = [method_spec(p).build(export, part_config(export, p, config.nodes)) for p in config.parts]
+    drafters = [method_spec(p).build(export, c) for p, c in part_configs(export, config).items()]
     for part, drafter in zip(config.parts, drafters):
         if not drafter.deterministic:
             raise SpecDeployError(f"method {config.method!r}: part {part!r} samples its drafts; only "

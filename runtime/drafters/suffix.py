@@ -60,12 +60,17 @@ class SuffixConfig:
         return self.max_nodes + 1
 
 
+def shared_cache(export, config: SuffixConfig) -> SuffixCache | None:
+    """The export instance's cross-request cache for this config (None: cache_tokens is 0). Keyed by
+    its shape: a request overriding it gets its own."""
+    if not config.cache_tokens:
+        return None
+    return export.part(f"suffix-cache:{config.depth}:{config.cache_tokens}",
+                       lambda: SuffixCache(config.depth, config.cache_tokens))
+
+
 def build(export, config: SuffixConfig) -> SuffixDrafter:
-    cache = None
-    if config.cache_tokens:  # keyed by its shape: a request overriding it gets its own
-        cache = export.part(f"suffix-cache:{config.depth}:{config.cache_tokens}",
-                            lambda: SuffixCache(config.depth, config.cache_tokens))
-    return SuffixDrafter(config, cache)
+    return SuffixDrafter(config, shared_cache(export, config))
 
 
 class SuffixDrafter(Drafter):

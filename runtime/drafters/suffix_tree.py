@@ -285,5 +285,10 @@ class SuffixCache:
             self.tokens += len(tokens)
             self._lengths[seq] += len(tokens)
 
+    def clear(self) -> None:
+        """Forget every earlier output (between requests: a running request's sequence ends too)."""
+        self.tree = SuffixTree(self.tree.depth)
+        self.tokens, self._lengths, self._current = 0, {}, None  # sequence ids keep counting: none is reused
+
     def __len__(self) -> int:
         return len(self._lengths)
