@@ -61,6 +61,7 @@ from ..runtime.graph_contract import (
 )
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+BATCH_DIM = "batch"  # batched graphs (build_fused_decoder(batched=True)): rows of one call
 FUSED_DTYPES = ("float32",)  # ORT's CPU kernels for these contrib ops are fastest (and tested) in fp32
 
 
@@ -71,7 +72,8 @@ def float32_array(t: torch.Tensor) -> np.ndarray:
 class GraphBuilder:
     """Nodes and initializers of one fused graph, with the blocks every Llama-family graph shares."""
 
-    def __init__(self, wide_mask: bool = False):
+    def __init__(self, wide_mask: bool = False, batched: bool = False):
+        self.batched = batched  # a dynamic batch dimension, each row with its own past length
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.presents: list[tuple[str, str]] = []  # (graph output name, tensor)
@@ -142,6 +144,9 @@ class GraphBuilder:
         (past32,) = self.op("Cast", [PAST_LENGTH], to=TensorProto.INT32)
         (seqlens_k,) = self.op("Add", [past32, t_minus_1])
         (total1,) = self.op("Add", [past32, t_count])
+        if self.batched:  # GQA reads keys up to each row's seqlens_k; the bias spans the longest row
+            (total,) = self.op("ReduceMax", [total1], keepdims=0)
+            return seqlens_k, total, self.row_bias(tokens, total)
         (total,) = self.op("Squeeze", [total1])
         if t == 1 and not self.wide_mask:  # one new token, static: plain causal attention
             return seqlens_k, total, ""
@@ -162,9 +167,38 @@ class GraphBuilder:
         (bias,) = self.op("Concat", [zeros, masked], axis=3)
         return seqlens_k, total, bias
 
+    def row_bias(self, tokens: str, total: str) -> str:
+        """The additive bias [B, 1, T, total] of a batched call: row b sees every key before its
+        own past_length[b] and decides the next T keys by its tree_mask; keys past a row's own
+        end are ones GroupQueryAttention never reads for that row (seqlens_k)."""
+        (total64,) = self.op("Cast", [total], to=TensorProto.INT64)
+        (keys,) = self.op("Range", [self.init("zero_i64", np.array(0, np.int64)), total64,
+                                    self.init("one_i64", np.array(1, np.int64))])
+        (past_col,) = self.op("Unsqueeze", [PAST_LENGTH, self.init("axis1", np.array([1], np.int64))])
+        (rel,) = self.op("Sub", [keys, past_col])  # [B, total]: key index relative to the row's first new token
+        (last,) = self.op("Sub", [tokens, self.init("one_i64_1", np.array([1], np.int64))])
+        (col,) = self.op("Clip", [rel, self.init("zero_i64", np.array(0, np.int64)), self.op("Squeeze", [last])[0]])
+        minf = np.finfo(np.float32).min
+        (masked,) = self.op("Where", [TREE_MASK, self.init("zero_f", np.array(0, np.float32)),
+                                      self.init("minf", np.array(minf, np.float32))])  # [B, T, T]
+        (col,) = self.op("Unsqueeze", [col, self.init("axis1", np.array([1], np.int64))])  # [B, 1, total]
+        (mask_shape,) = self.op("Shape", [TREE_MASK])
+        (rows_shape,) = self.op("Slice", [mask_shape, self.init("i0", np.array([0], np.int64)),
+                                          self.init("i2", np.array([2], np.int64))])
+        (index_shape,) = self.op("Concat", [rows_shape, self.op("Unsqueeze", [total64, self.init(
+            "axis0", np.array([0], np.int64))])[0]], axis=0)
+        (col,) = self.op("Expand", [col, index_shape])  # [B, T, total]
+        (tree,) = self.op("GatherElements", [masked, col], axis=2)
+        (cached,) = self.op("Less", [rel, self.init("zero_i64", np.array(0, np.int64))])
+        (cached,) = self.op("Unsqueeze", [cached, self.init("axis1", np.array([1], np.int64))])
+        (bias,) = self.op("Where", [cached, self.init("zero_f", np.array(0, np.float32)), tree])
+        (bias,) = self.op("Unsqueeze", [bias, self.init("axis1", np.array([1], np.int64))])
+        return bias
+
     def attention(self, x: str, attn, layer: int, shape: "AttentionShape", lengths, rope) -> str:
         """q/k/v in one MatMul, GroupQueryAttention with the KV buffers of `layer`, o_proj."""
         p, t = f"layers.{layer}", shape.t if shape.t is not None else -1  # -1: Reshape infers a dynamic T
+        batch = 0 if self.batched else 1  # 0: Reshape copies the input's batch dimension
         heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
         qkv = self.linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv")
         gqa_in = [qkv, "", ""]
@@ -174,11 +208,13 @@ class GraphBuilder:
                               n_out=3, axis=2)
             normed = []
             for tag, x_, n_, mod in (("q", q, heads, attn.q_norm), ("k", k, kv_heads, attn.k_norm)):
-                (r,) = self.op("Reshape", [x_, self.init(f"{p}.{tag}_heads", np.array([1, t, n_, head_dim], np.int64))])
+                heads_shape = np.array([batch, t, n_, head_dim], np.int64)
+                (r,) = self.op("Reshape", [x_, self.init(f"{p}.{tag}_heads", heads_shape)])
                 gamma = self.init(f"{p}.{tag}_norm", float32_array(mod.weight))
                 (r,) = self.op("SimplifiedLayerNormalization", [r, gamma],
                                epsilon=float(mod.variance_epsilon), axis=-1)
-                (r,) = self.op("Reshape", [r, self.init(f"{p}.{tag}_flat", np.array([1, t, n_ * head_dim], np.int64))])
+                flat_shape = np.array([batch, t, n_ * head_dim], np.int64)
+                (r,) = self.op("Reshape", [r, self.init(f"{p}.{tag}_flat", flat_shape)])
                 normed.append(r)
             gqa_in = [normed[0], normed[1], v]
         seqlens_k, total, bias = lengths
@@ -208,7 +244,7 @@ class GraphBuilder:
     def model(self, name: str, inputs: list, outputs: list, kv_heads: int, head_dim: int,
               io: GraphIO) -> onnx.ModelProto:
         """The graph with the KV buffers as inputs and (aliased) outputs; its I/O must be `io`."""
-        kv_shape = [1, kv_heads, "cache_len", head_dim]
+        kv_shape = [BATCH_DIM if self.batched else 1, kv_heads, "cache_len", head_dim]
         inputs = list(inputs) + [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape)
                                  for n in io.inputs if is_past(n)]
         outputs = list(outputs)
@@ -237,11 +273,14 @@ def check_silu(cfg) -> None:
 
 
 def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
-                        feature_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
+                        feature_layers: tuple[int, ...] = (), batched: bool = False) -> onnx.ModelProto:
     """The fused graph of an HF Llama-family causal LM, for the record of static T `tokens`.
 
     T is a dynamic dimension, so the graph (and its file) is the same for every `tokens`:
-    the runtime opens it once per model. `tokens` only checks the call."""
+    the runtime opens it once per model. `tokens` only checks the call.
+    `batched`: a dynamic batch dimension too (BATCH_DIM): input_ids, position_ids [B, T],
+    tree_mask [B, T, T], past_length [B] (each row its own), KV buffers [B, kv_heads, S, D]
+    (runtime/batching). Row b of a batched call computes what the batch-1 graph does for it."""
     if tokens < 1:
         raise ValueError(f"a decoder graph needs T >= 1, got {tokens}")
     cfg = causal_lm.config
@@ -250,7 +289,8 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     shape = AttentionShape(None, KVGeometry.from_config(cfg))
     eps = float(cfg.rms_norm_eps)
     t = TOKENS_DIM
-    b = GraphBuilder()
+    rows: str | int = BATCH_DIM if batched else 1
+    b = GraphBuilder(batched=batched)
     rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
     lengths = b.attention_lengths()
 
@@ -282,17 +322,17 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     logits = b.linear(hidden, [causal_lm.lm_head], "lm_head")
     b.rename(logits, LOGITS)
     b.rename(hidden, HIDDEN)
-    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, t, cfg.vocab_size]),
-               helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, t, cfg.hidden_size])]
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [rows, t, cfg.vocab_size]),
+               helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [rows, t, cfg.hidden_size])]
     if feature_layers:
         (feat,) = b.op("Concat", features, axis=2)
         b.rename(feat, FEATURES)
         outputs.append(helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT,
-                                                     [1, t, cfg.hidden_size * len(feature_layers)]))
-    inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, t]),
-              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, t]),
-              helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [1, t, t]),
-              helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [1])]
+                                                     [rows, t, cfg.hidden_size * len(feature_layers)]))
+    inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [rows, t]),
+              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [rows, t]),
+              helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [rows, t, t]),
+              helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [rows])]
     io = decoder_io(len(body.layers), bool(feature_layers), FUSED)
     return b.model("fused_decoder", inputs, outputs, shape.kv_heads, shape.head_dim, io)
 

@@ -47,8 +47,12 @@ class Service:
     @classmethod
     def load(cls, export_dir: str | Path, pool_size: int = 1, queue_size: int = 8, queue_timeout: float = 30.0,
              backend: str | None = "auto", threads: int | None = None, method: str | None = None,
-             verify_checksums: bool = True, warmup: bool = True) -> "Service":
+             verify_checksums: bool = True, warmup: bool = True, batch: int | None = None) -> "Service":
         """Open `pool_size` instances of one export (checksums are verified once).
+
+        `batch`: serve up to `batch` requests as rows of one batched target graph instead
+        (runtime/batching; ONNX Runtime CPU, pool_size is then ignored): plain steps of all
+        rows run as one call, the weights and one calling thread are shared by all.
 
         `threads`: ORT intra-op threads per session. The instances share their sessions (one
         copy of the weights), so concurrent requests share each session's thread pool; by
@@ -58,11 +62,21 @@ class Service:
         """
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise SpecDeployError(f"pool size must be an integer >= 1, got {pool_size!r}")
-        first = LoadedExport(export_dir, backend=backend, threads=threads, verify_checksums=verify_checksums)
-        if threads is None and first.backend == "ort-cpu":
-            threads = max(1, (os.cpu_count() or 1) - pool_size + 1)
-            first = LoadedExport(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
-        exports = [first] + [first.sibling() for _ in range(pool_size - 1)]  # weights shared, KV per instance
+        pool_type = ExportPool
+        if batch is not None:
+            if backend not in (None, "auto", "ort-cpu"):
+                raise SpecDeployError(f"batched serving runs on ort-cpu only, not {backend}")
+            from .batching.batched_export import BatchedExport, RowPool
+
+            exports: list[LoadedExport] = BatchedExport(export_dir, batch, threads, verify_checksums).rows()
+            pool_type = RowPool
+        else:
+            first = LoadedExport(export_dir, backend=backend, threads=threads, verify_checksums=verify_checksums)
+            if threads is None and first.backend == "ort-cpu":
+                threads = max(1, (os.cpu_count() or 1) - pool_size + 1)
+                first = LoadedExport(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
+            exports = [first] + [first.sibling() for _ in range(pool_size - 1)]  # weights shared, KV per instance
+        first = exports[0]
         unavailable: dict[str, str] = {}
         for export in exports:
             export.decoder("target")
@@ -78,7 +92,7 @@ class Service:
         if method is None:
             method = "ar" if "ar" in first.methods and "ar" not in unavailable else next(
                 (m for m in first.methods if m not in unavailable), "ar")
-        return cls(ExportPool(exports, queue_size, queue_timeout), method, unavailable)
+        return cls(pool_type(exports, queue_size, queue_timeout), method, unavailable)
 
     # -- introspection ------------------------------------------------------------
     @property

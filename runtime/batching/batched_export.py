@@ -1,0 +1,58 @@
+"""An export served as rows of one batch: each row a LoadedExport whose target is a RowDecoder.
+
+The rows share the loaded manifest, tokenizer and configs (LoadedExport.sibling), the batched
+target graph (one session: the weights once) and its scheduler; each owns a slot of the batch's
+KV and its drafter's state. A RowPool lends rows to requests like runtime/pool.ExportPool lends
+instances (same admission, queue and 429s) and tells the scheduler which rows are running.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SpecDeployError
+from ..graph_contract import TARGET
+from ..loaded_export import LoadedExport
+from ..pool import ExportPool
+from .graph import BatchedGraph
+from .kv_slots import SlotKV
+from .row_decoder import RowDecoder
+from .scheduler import Batcher
+
+
+class BatchedExport(LoadedExport):
+    def __init__(self, path: str | Path, rows: int, threads: int | None = None, verify_checksums: bool = True):
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise SpecDeployError(f"batch size must be an integer >= 1, got {rows!r}")
+        super().__init__(path, backend="ort-cpu", threads=threads, verify_checksums=verify_checksums)
+        if self.manifest.dtype != "float32":
+            raise SpecDeployError(f"batched serving runs float32 exports only (this one is {self.manifest.dtype})")
+        kv = SlotKV(self.manifest.models[TARGET], rows, self.manifest.max_context)
+        self.batcher = Batcher(BatchedGraph(self.manifest.root, threads), kv)
+        self.slot = 0
+
+    def rows(self) -> list["BatchedExport"]:
+        """One instance per slot of the batch."""
+        out = []
+        for slot in range(self.batcher.kv.slots):
+            row = self.sibling()
+            row.slot = slot
+            out.append(row)
+        return out
+
+    def _open_decoder(self, model: str):
+        if model == TARGET:
+            return RowDecoder(self.manifest, self.batcher, self.slot)
+        return super()._open_decoder(model)
+
+
+class RowPool(ExportPool):
+    def acquire(self, timeout: float | None = None, ticket=None):
+        row = super().acquire(timeout, ticket)
+        if row is not None:
+            row.batcher.join(row.slot)
+        return row
+
+    def release(self, export) -> None:
+        export.batcher.leave(export.slot)
+        super().release(export)

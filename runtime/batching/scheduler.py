@@ -1,0 +1,164 @@
+"""The batch scheduler: one thread runs every target call of the batch's rows.
+
+Each row (a request's generation on its own thread, runtime/generate.py) submits its target
+calls here and waits. A step of the scheduler gathers what the rows have submitted, waiting
+a short window for rows still busy with their host work (verification, sampling, streaming),
+then runs:
+
+1. one batched T=1 call over every row that asked for a plain decode step (rows in the slot
+   range that did not ask write a placeholder token to their slot's trash row);
+2. every single-row call of more tokens (a speculative step: ONNX Runtime's CPU attention takes
+   one row when T > 1);
+3. at most one prefill chunk, so a long prompt delays running rows by one chunk per step.
+
+Rows join and leave between steps: a row is part of whichever step its call reaches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .graph import BatchedGraph
+from .kv_slots import SlotKV
+
+GATHER_FRACTION = 0.3  # wait at most this fraction of the last step's time for busy rows
+GATHER_MAX_S = 0.005
+
+
+@dataclass
+class Work:
+    slot: int
+    ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    mask: np.ndarray  # [T, T]
+    past: int
+    prefill: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: np.ndarray | None = None  # [T, vocab]
+    hidden: np.ndarray | None = None
+    error: BaseException | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+
+class Batcher:
+    def __init__(self, graph: BatchedGraph, kv: SlotKV):
+        self.graph, self.kv = graph, kv
+        self._cond = threading.Condition()
+        self._pending: list[Work] = []
+        self._active: set[int] = set()  # slots with a request in progress
+        self._last_step_s = 0.0
+        self.steps = 0
+        self.observers: list = []  # callables (rows, tokens, seconds) after each call (the cost model)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="specdeploy-batcher", daemon=True)
+        self._thread.start()
+
+    # -- rows ---------------------------------------------------------------------
+    def join(self, slot: int) -> None:
+        with self._cond:
+            self._active.add(slot)
+
+    def leave(self, slot: int) -> None:
+        with self._cond:
+            self._active.discard(slot)
+            self._cond.notify_all()  # the step may stop waiting for this row
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def submit(self, work: Work) -> Work:
+        """Queue one call and wait for it; raises what the call raised."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batch scheduler is closed")
+            self._pending.append(work)
+            self._cond.notify_all()
+        work.done.wait()
+        if work.error is not None:
+            raise work.error
+        return work
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    # -- the loop -----------------------------------------------------------------
+    def _gather(self) -> list[Work] | None:
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            deadline = time.perf_counter() + min(GATHER_MAX_S, GATHER_FRACTION * self._last_step_s)
+            while len({w.slot for w in self._pending}) < len(self._active) and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            taken, prefills = [], 0
+            for w in self._pending:
+                if w.prefill:
+                    if prefills:
+                        continue
+                    prefills += 1
+                taken.append(w)
+            self._pending = [w for w in self._pending if w not in taken]
+            return taken
+
+    def _loop(self) -> None:
+        while True:
+            work = self._gather()
+            if work is None:
+                return
+            start = time.perf_counter()
+            decodes = [w for w in work if w.tokens == 1 and not w.prefill]
+            if decodes:
+                self._run(decodes, self._decode)
+            for w in work:
+                if w.tokens > 1 or w.prefill:
+                    self._run([w], self._single)
+            self._last_step_s = time.perf_counter() - start
+            self.steps += 1
+
+    def _run(self, work: list[Work], call) -> None:
+        start = time.perf_counter()
+        try:
+            call(work)
+        except BaseException as exc:  # the rows' threads raise it
+            for w in work:
+                w.error = exc
+        seconds = time.perf_counter() - start
+        for observe in self.observers:
+            observe(len(work), work[0].tokens, seconds)
+        for w in work:
+            w.done.set()
+
+    def _decode(self, work: list[Work]) -> None:
+        """One T=1 call over the slot range of `work`; slots in between write to the trash row."""
+        lo, hi = min(w.slot for w in work), max(w.slot for w in work) + 1
+        b = hi - lo
+        ids = np.zeros((b, 1), np.int64)
+        positions = np.zeros((b, 1), np.int64)
+        past = np.full(b, self.kv.trash, np.int64)
+        for w in work:
+            r = w.slot - lo
+            ids[r, 0], positions[r, 0], past[r] = w.ids[0], w.positions[0], w.past
+        logits, hidden = self.graph.run(ids, positions, np.ones((b, 1, 1), bool), past, self.kv.views(lo, hi))
+        for w in work:
+            w.logits, w.hidden = logits[w.slot - lo], hidden[w.slot - lo]
+
+    def _single(self, work: list[Work]) -> None:
+        (w,) = work
+        logits, hidden = self.graph.run(w.ids[None], w.positions[None], w.mask[None], np.array([w.past], np.int64),
+                                        self.kv.views(w.slot, w.slot + 1))
+        w.logits, w.hidden = logits[0], hidden[0]

@@ -1,0 +1,160 @@
+"""Continuous batching (runtime/batching): the batched target graph and the batched service
+compute for every row exactly what the batch-1 runtime computes for it alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from specdeploy.runtime.graph_contract import (
+    INPUT_IDS,
+    LOGITS,
+    PAST_LENGTH,
+    POSITION_IDS,
+    TREE_MASK,
+    past_names,
+    present_of,
+)
+from specdeploy.runtime.tree import Tree
+
+
+@pytest.fixture(scope="module")
+def batched_export(micro_family, micro_export, tmp_path_factory):
+    """The micro export (hard-linked, so the session's copy is left as it was) plus its batched graph."""
+    from specdeploy.export.batched_graph import write_batched_target
+
+    out = tmp_path_factory.mktemp("batched") / "micro"
+    shutil.copytree(micro_export, out, copy_function=os.link)
+    write_batched_target(out, micro_family / "target")
+    return out
+
+
+def _batch1_session(export):
+    import onnxruntime as ort
+
+    from specdeploy.runtime.manifest import load_manifest
+
+    manifest = load_manifest(export, verify_checksums=False)
+    record = next(iter(manifest.decoder_graphs("target", "fused").values()))
+    return ort.InferenceSession(str(manifest.graph_path(record))), manifest.models["target"]
+
+
+def _run(session, ids, positions, mask, past, kv):
+    names = [o.name for o in session.get_outputs()]
+    feeds = {INPUT_IDS: ids, POSITION_IDS: positions, TREE_MASK: mask, PAST_LENGTH: past, **kv}
+    return dict(zip(names, session.run(None, feeds)))
+
+
+def test_every_row_of_a_batched_call_equals_the_row_alone(batched_export):
+    from specdeploy.runtime.batching.graph import BatchedGraph
+
+    single, spec = _batch1_session(batched_export)
+    batched = BatchedGraph(batched_export)
+    rng = np.random.default_rng(0)
+    slots, rows = 4, 513  # max_context + the trash row
+    shape = (slots, spec.num_kv_heads, rows, spec.head_dim)
+    kv = {n: rng.standard_normal(shape).astype(np.float32) for n in past_names(spec.num_layers)}
+    before = {n: v.copy() for n, v in kv.items()}
+    past = np.array([5, 40, 0, 17])
+    ids = rng.integers(0, spec.vocab_size, (slots, 1))
+    logits, _ = batched.run(ids, past[:, None].copy(), np.ones((slots, 1, 1), bool), past, kv)
+    for b in range(slots):  # one decode step (T=1) per row, each with its own past length
+        alone = _run(single, ids[b : b + 1], past[None, b : b + 1], np.ones((1, 1, 1), bool), past[b : b + 1],
+                     {n: v[b : b + 1].copy() for n, v in before.items()})
+        np.testing.assert_array_equal(logits[b, 0], alone[LOGITS][0, 0])
+        for n in kv:  # the row's new KV landed at its own past length, nothing else moved
+            np.testing.assert_array_equal(kv[n][b, :, : past[b] + 1], alone[present_of(n)][0, :, : past[b] + 1])
+    # one row at T > 1 (a speculative step): the tree mask as the batch-1 graph applies it
+    tree = Tree((-1, 0, 0, 1, 2))
+    t_ids = rng.integers(0, spec.vocab_size, (1, tree.size))
+    pos = (17 + tree.depth)[None]
+    view = {n: v[3:4].copy() for n, v in before.items()}
+    got, _ = batched.run(t_ids, pos, tree.mask[None], np.array([17]), view)
+    alone = _run(single, t_ids, pos, tree.mask[None], np.array([17]), {n: v[3:4].copy() for n, v in before.items()})
+    np.testing.assert_array_equal(got[0], alone[LOGITS][0])
+
+
+JOBS = [dict(prompt="Once upon a time", method="ar"),
+        dict(prompt="the cat sat on the mat and the cat sat on", method="prompt-lookup"),
+        dict(prompt="a b c d a b c d a b", method="suffix", temperature=0.8, seed=3),
+        dict(prompt="Hello", method="draft", sampling="seeded", temperature=0.7, seed=5),
+        dict(prompt="the cat sat on the mat", method="lookahead"),
+        dict(prompt="Once upon a time there was", method="ar", temperature=1.0, seed=11, stop=["e"])]
+
+
+@pytest.fixture(scope="module")
+def services(batched_export):
+    from specdeploy.runtime.service import Service
+
+    return Service.load(batched_export, pool_size=1), Service.load(batched_export, batch=3, queue_size=8)
+
+
+def test_concurrent_mixed_requests_equal_their_batch1_output(services):
+    alone, batched = services
+    jobs = [dict(job, max_new_tokens=10, ignore_eos=True) for job in JOBS]
+    want = [alone.generate(**job) for job in jobs]
+    got: list = [None] * len(jobs)
+
+    def run(i):
+        got[i] = batched.generate(**jobs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]  # 6 requests on 3 rows
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for job, w, g in zip(jobs, want, got):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), job
+    assert batched.pool.in_use == 0
+    assert batched.pool.exports[0].batcher.steps < sum(len(w.token_ids) for w in want)  # rows shared steps
+
+
+def test_a_cancelled_row_leaves_and_its_slot_serves_the_next_request(services):
+    alone, batched = services
+    job = dict(prompt="Once upon a time", method="ar", max_new_tokens=12, ignore_eos=True)
+    with batched.stream(**job) as req:
+        events = iter(req)
+        next(events)
+        req.cancel()
+        rest = list(events)
+    assert req.finish_reason == "cancelled" and len(rest) < 11
+    assert batched.pool.in_use == 0
+    assert batched.generate(**job).token_ids == alone.generate(**job).token_ids
+
+
+def test_the_server_batches_concurrent_requests_losslessly(batched_export, services):
+    """`specdeploy serve --batch N`: concurrent streamed and plain completions through the real
+    server, each the text its request gets from the batch-1 service."""
+    import httpx
+    from serve_util import ServerProcess
+
+    alone, _ = services
+    jobs = [dict(model="micro", prompt=j["prompt"], max_tokens=8, temperature=j.get("temperature", 0),
+                 seed=j.get("seed"), method=j["method"], ignore_eos=True, stream=i % 2 == 1,
+                 **({"sampling": j["sampling"]} if "sampling" in j else {}))
+            for i, j in enumerate(JOBS)]
+    want = [alone.generate(j["prompt"], method=j["method"], max_new_tokens=8, temperature=j["temperature"],
+                           seed=j["seed"], ignore_eos=True, sampling=j.get("sampling")).text for j in jobs]
+
+    def complete(job):
+        with httpx.Client(timeout=60) as http:
+            if not job["stream"]:
+                return http.post(f"{srv.url}/v1/completions", json=job).json()["choices"][0]["text"]
+            text = ""
+            with http.stream("POST", f"{srv.url}/v1/completions", json=job) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+    with ServerProcess(batched_export, "--batch", "3", "--queue", "8") as srv:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(complete, jobs))
+        assert srv.health()["pool_size"] == 3
+    assert got == want
