@@ -70,7 +70,7 @@ def run_server(args) -> int:
     use_shared_threads(args.threads)  # our own process: one pool for every worker's sessions
     service = Service.load(args.out, pool_size=args.pool_size, queue_size=args.queue,
                            queue_timeout=args.queue_timeout, backend=args.backend, threads=args.threads,
-                           method=args.method)
+                           method=args.method, batch=args.batch)
     app = create_app(service, model_name=args.model_name, limits=limits, api_key=api_key, allowed_origins=origins)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = app.state.server
@@ -92,6 +92,9 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address; beyond loopback, set --api-key")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--pool-size", type=int, default=1, help="concurrent requests (one export instance each)")
+    s.add_argument("--batch", type=int, help="serve up to N requests as rows of one batched target graph "
+                   "(continuous batching, ort-cpu; replaces --pool-size); needs the export's batched graph: "
+                   "python -m specdeploy.export.batched_graph OUT")
     s.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; beyond: 429")
     s.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait; then 429")
     s.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
