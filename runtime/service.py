@@ -193,8 +193,10 @@ class Request:
                 self._release()
                 return False
             try:
+                options = export.generation_options(self.method) if hasattr(export, "generation_options") else {}
                 self._gen = Generation(export, self.prompt_ids, method=self.method, params=self.params,
-                                       max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos)
+                                       max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
+                                       **options)
             except BaseException as exc:
                 self.error = exc
                 self._release()

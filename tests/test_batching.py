@@ -158,3 +158,24 @@ def test_the_server_batches_concurrent_requests_losslessly(batched_export, servi
             got = list(pool.map(complete, jobs))
         assert srv.health()["pool_size"] == 3
     assert got == want
+
+
+def test_rows_stay_lossless_whatever_draft_size_the_policy_picks(batched_export, services, monkeypatch):
+    """With the load-aware policy on and costs that make it cut proposals to two drafts, every
+    request still prints its batch-1 tokens (drafters see truncated proposals and plain steps)."""
+    from specdeploy.runtime.service import Service
+
+    alone, _ = services
+    monkeypatch.setenv("SPECDEPLOY_ADAPTIVE", "1")
+    svc = Service.load(batched_export, batch=3, queue_size=8)
+    row = svc.pool.exports[0]
+    assert row.policy.enabled and row.policy.costs.decode  # calibrated at load
+    row.batcher.observers.clear()  # fixed costs: T=3 is cheap, anything wider ruinous
+    row.policy.costs.decode, row.policy.costs.single = {1: 1.0, 2: 2.0, 3: 3.0}, {2: 0.5, 3: 0.5, 4: 100.0}
+    jobs = [dict(job, max_new_tokens=10, ignore_eos=True) for job in JOBS if job["method"] != "lookahead"]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: svc.generate(**job), jobs))
+    for job, g in zip(jobs, got):
+        assert g.token_ids == alone.generate(**job).token_ids, job
+    assert max(g.stats["accepted_drafts"] / max(1, g.stats["target_calls"]) for g in got) <= 2
+    assert any(g.stats["accepted_drafts"] for g in got)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..adaptive import on_by_default
 from ..errors import SpecDeployError
 from ..graph_contract import TARGET
 from ..loaded_export import LoadedExport
+from ..methods import build_drafter
 from ..pool import ExportPool
 from .graph import BatchedGraph
 from .kv_slots import SlotKV
+from .policy import CostModel, LoadAwareDrafter, SpeculationPolicy
 from .row_decoder import RowDecoder
 from .scheduler import Batcher
 
@@ -30,15 +33,34 @@ class BatchedExport(LoadedExport):
         kv = SlotKV(self.manifest.models[TARGET], rows, self.manifest.max_context)
         self.batcher = Batcher(BatchedGraph(self.manifest.root, threads), kv)
         self.slot = 0
+        costs = CostModel()
+        self.policy = SpeculationPolicy(costs, enabled=on_by_default())
+        if self.policy.enabled:
+            widths = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
+            sizes = sorted({t for config in self.methods.values() for t in (config.verify_tokens, 2, 4)
+                            if 1 < t <= config.verify_tokens})
+            costs.calibrate(self.batcher, widths, sizes)
+            self.batcher.observers.append(costs.observe)  # then every call refines the times
 
-    def rows(self) -> list["BatchedExport"]:
+    def rows(self) -> list[LoadedExport]:
         """One instance per slot of the batch."""
-        out = []
+        out: list[LoadedExport] = []
         for slot in range(self.batcher.kv.slots):
             row = self.sibling()
+            assert isinstance(row, BatchedExport)
             row.slot = slot
             out.append(row)
         return out
+
+    def generation_options(self, method: str) -> dict:
+        """What a Generation on this row takes beside the request: the method's drafter under the
+        batch's speculation policy (which replaces the batch-1 adaptive policy)."""
+        config = self.method_config(method)
+        if config.verify_tokens <= 1:
+            return {"adaptive": False}
+        drafter = LoadAwareDrafter(build_drafter(self, config), self.policy, lambda: self.batcher.active,
+                                   config.verify_tokens - 1)
+        return {"drafter": drafter, "adaptive": False}
 
     def _open_decoder(self, model: str):
         if model == TARGET:

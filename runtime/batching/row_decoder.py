@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..decoder import Decoder, StepOutput
+from ..backends.ort_decoder import OnFirstUse
+from ..backends.sessions import graph_identity
+from ..decoder import Decoder, StaticCall, StepOutput
 from ..graph_contract import FUSED, INPUT_IDS, PORTABLE, POSITION_IDS, TARGET, TREE_MASK
 from ..manifest import Manifest
 from .scheduler import Batcher, Work
@@ -20,8 +22,13 @@ class RowDecoder(Decoder):
 
     def __init__(self, manifest: Manifest, batcher: Batcher, slot: int):
         # The static T of the export's target graphs: each call pads as the batch-1 decoder does.
-        sizes = manifest.decoder_graphs(TARGET, FUSED) or manifest.decoder_graphs(TARGET, PORTABLE)
-        super().__init__(manifest.models[TARGET], batcher.kv.row(slot), sizes, manifest.max_context)
+        records = manifest.decoder_graphs(TARGET, FUSED) or manifest.decoder_graphs(TARGET, PORTABLE)
+        super().__init__(manifest.models[TARGET], batcher.kv.row(slot), records, manifest.max_context)
+        if len({graph_identity(manifest.graph_path(r)) for r in records.values()}) == 1:
+            # One dynamic-T graph: calls run at T = their rows, as the batch-1 fused decoder's do
+            # (backends/ort_decoder.py), so each row's numbers stay that decoder's.
+            self.call_sizes = list(range(self.sizes[0], self.sizes[-1] + 1))
+            self.inputs = OnFirstUse(StaticCall)
         self.batcher, self.slot = batcher, slot
         self._prefilling = False
 

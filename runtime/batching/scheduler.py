@@ -55,7 +55,7 @@ class Batcher:
         self._active: set[int] = set()  # slots with a request in progress
         self._last_step_s = 0.0
         self.steps = 0
-        self.observers: list = []  # callables (rows, tokens, seconds) after each call (the cost model)
+        self.observers: list = []  # callables (rows in the call, tokens per row, seconds) after each call
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="specdeploy-batcher", daemon=True)
         self._thread.start()
@@ -130,20 +130,32 @@ class Batcher:
             self._last_step_s = time.perf_counter() - start
             self.steps += 1
 
-    def _run(self, work: list[Work], call) -> None:
+    def _run(self, work: list[Work], call) -> float:
         start = time.perf_counter()
+        rows = len(work)
         try:
-            call(work)
+            rows = call(work)
         except BaseException as exc:  # the rows' threads raise it
             for w in work:
                 w.error = exc
         seconds = time.perf_counter() - start
         for observe in self.observers:
-            observe(len(work), work[0].tokens, seconds)
+            observe(rows, work[0].tokens, seconds)
         for w in work:
             w.done.set()
+        return seconds
 
-    def _decode(self, work: list[Work]) -> None:
+    def time_call(self, rows: int, tokens: int) -> float:
+        """Seconds of one placeholder call of `rows` rows at T=1, or one row of `tokens`; for
+        start-up only (it writes trash rows, or scratch rows of slot 0 while slot 0 is empty)."""
+        if tokens == 1:
+            work = [Work(s, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool), self.kv.trash)
+                    for s in range(rows)]
+            return self._run(work, self._decode)
+        w = Work(0, np.zeros(tokens, np.int64), np.arange(tokens), np.tril(np.ones((tokens, tokens), bool)), 0)
+        return self._run([w], self._single)
+
+    def _decode(self, work: list[Work]) -> int:
         """One T=1 call over the slot range of `work`; slots in between write to the trash row."""
         lo, hi = min(w.slot for w in work), max(w.slot for w in work) + 1
         b = hi - lo
@@ -156,9 +168,11 @@ class Batcher:
         logits, hidden = self.graph.run(ids, positions, np.ones((b, 1, 1), bool), past, self.kv.views(lo, hi))
         for w in work:
             w.logits, w.hidden = logits[w.slot - lo], hidden[w.slot - lo]
+        return b
 
-    def _single(self, work: list[Work]) -> None:
+    def _single(self, work: list[Work]) -> int:
         (w,) = work
         logits, hidden = self.graph.run(w.ids[None], w.positions[None], w.mask[None], np.array([w.past], np.int64),
                                         self.kv.views(w.slot, w.slot + 1))
         w.logits, w.hidden = logits[0], hidden[0]
+        return 1
