@@ -1,0 +1,166 @@
+"""Load test of continuous batching against today's pool, on the real server over loopback.
+
+    python -m specdeploy.bench.loadtest_batching build/export/batched --clients 1 4 16 --batch 16
+
+For each server configuration (today's pool of instances; `--batch N` with load-adaptive
+speculation; `--batch N` decoding plainly) it starts `specdeploy serve`, then for each
+client count runs that many closed-loop clients, each sending `--requests` streamed
+completions (mixed methods, greedy and seeded, short and long prompts), and prints one
+JSON line: throughput (completion tokens per second of wall time), time to first token and
+inter-token latency p50/p95, and the load average before and after. The export needs the
+batched graph (python -m specdeploy.export.batched_graph EXPORT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+SHORT = ["Once upon a time", "def fibonacci(n):\n    ", "The capital of France is", "List three colors: red,"]
+LONG = ("Summarize the following notes. The meeting covered the budget, the hiring plan and the release "
+        "schedule. The budget for the next quarter stays flat, the hiring plan adds two engineers, and the "
+        "release moves by one week because the test suite found a regression in the parser. ") * 3
+SPEC_METHODS = ["ar", "prompt-lookup", "suffix"]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, export: Path, args: list[str]):
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdeploy.cli", "serve", str(export), "--port",
+                                     str(self.port), "--log-level", "warning", *args],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server did not come up")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def one_request(url: str, model: str, job: dict, out: dict, lock: threading.Lock) -> None:
+    import httpx
+
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    with httpx.Client(timeout=600) as http:
+        with http.stream("POST", f"{url}/v1/completions", json={"model": model, "stream": True, **job}) as r:
+            if r.status_code != 200:
+                with lock:
+                    out["errors"] += 1
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+    with lock:
+        out["tokens"] += job["max_tokens"]  # ignore_eos: every request runs to max_tokens
+        if stamps:
+            out["ttft"].append(stamps[0] - t0)
+            # a streamed chunk may carry several tokens (a speculative step): spread its gap over them
+            gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+            per_token = (stamps[-1] - stamps[0]) / max(1, job["max_tokens"] - 1)
+            out["itl"].extend(gaps if len(stamps) >= job["max_tokens"] else [per_token] * (job["max_tokens"] - 1))
+
+
+def jobs_for(client: int, requests: int, methods: list[str], max_tokens: int) -> list[dict]:
+    jobs = []
+    for i in range(requests):
+        k = client * requests + i
+        prompt = LONG if k % 4 == 3 else SHORT[k % len(SHORT)]
+        sampled = k % 2 == 1
+        jobs.append({"prompt": prompt, "max_tokens": max_tokens, "method": methods[k % len(methods)],
+                     "ignore_eos": True, "temperature": 0.7 if sampled else 0.0, **({"seed": k} if sampled else {})})
+    return jobs
+
+
+def run_load(url: str, model: str, clients: int, requests: int, methods: list[str], max_tokens: int) -> dict:
+    out: dict = {"tokens": 0, "errors": 0, "ttft": [], "itl": []}
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for job in jobs_for(c, requests, methods, max_tokens):
+            one_request(url, model, job, out, lock)
+
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"clients": clients, "requests": clients * requests, "tokens": out["tokens"], "errors": out["errors"],
+            "seconds": round(wall, 2), "tokens_per_s": round(out["tokens"] / wall, 1),
+            "ttft_p50_s": round(percentile(out["ttft"], 0.5), 3), "ttft_p95_s": round(percentile(out["ttft"], 0.95), 3),
+            "itl_p50_ms": round(1000 * percentile(out["itl"], 0.5), 1),
+            "itl_p95_ms": round(1000 * percentile(out["itl"], 0.95), 1),
+            "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("export", type=Path)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--batch", type=int, default=16, help="rows of the batched server")
+    ap.add_argument("--pool-size", type=int, default=2, help="instances of today's pooled server")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--configs", nargs="+", default=["pool", "batch", "batch-plain"])
+    args = ap.parse_args(argv)
+    queue = str(max(args.clients) * 2)
+    configs = {"pool": (["--pool-size", str(args.pool_size), "--queue", queue], SPEC_METHODS),
+               "batch": (["--batch", str(args.batch), "--queue", queue], SPEC_METHODS),
+               "batch-plain": (["--batch", str(args.batch), "--queue", queue], ["ar"])}
+    for name in args.configs:
+        server_args, methods = configs[name]
+        server = Server(args.export, server_args)
+        try:
+            run_load(server.url, args.export.name, 1, 1, methods, 4)  # warm-up
+            for clients in args.clients:
+                row = run_load(server.url, args.export.name, clients, args.requests, methods, args.max_tokens)
+                print(json.dumps({"config": name, "server": " ".join(server_args), **row}), flush=True)
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
