@@ -1,17 +1,16 @@
-"""Training data and schedule shared by every trainer here: the family and the head trainers.
+"""Training data shared by every trainer here: the family and the head trainers (their
+optimisation loop: train/loop.py).
 
-All of them read windows of one token stream cut from the corpus and follow the same
-warm-up + cosine learning rate. The head trainers (Medusa, EAGLE) self-distil a frozen
-target: besides text windows they train on the target's own greedy continuations of
-train-split prompts, tokenized with the target's tokenizer, and cache their result per
-family (`train_for_family`).
+All of them read windows of one token stream cut from the corpus. The head trainers
+(Medusa, EAGLE) self-distil a frozen target: besides text windows they train on the
+target's own greedy continuations of train-split prompts, tokenized with the target's
+tokenizer, and cache their result per family (`train_for_family`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from itertools import islice
 from pathlib import Path
 
@@ -117,14 +116,6 @@ def evenly_spaced_windows(stream: torch.Tensor, count: int, length: int) -> torc
         raise ValueError(f"held-out stream has {stream.numel()} tokens, need {count * length}")
     stride = (stream.numel() - length) // max(count - 1, 1)
     return torch.stack([stream[i * stride : i * stride + length] for i in range(count)])
-
-
-def warmup_cosine_lr(step: int, lr: float, warmup: int, steps: int, min_frac: float = 0.1) -> float:
-    """Linear warm-up, then cosine decay from `lr` down to `lr * min_frac`."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(steps - warmup, 1)
-    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 @torch.no_grad()

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from ..export.hf_loading import load_causal_lm
 from ..runtime.errors import SpecDeployError
-from .distill import VocabSubset, cached_training, ids_by_frequency, warmup_cosine_lr
+from .distill import VocabSubset, cached_training, ids_by_frequency
+from .loop import fit
 from .responses import Responses, data_hash, load_split, next_token_labels, response_tokens
 
 Progress = Callable[[str], None]
@@ -156,33 +157,13 @@ def distill_loss(draft, tokens, feats, labels, mask, subset: VocabSubset, spec: 
 
 def train_draft(draft, data: Responses, labels: list[torch.Tensor], subset: VocabSubset, spec: DraftSpec,
                 progress: Progress) -> dict:
-    params = trainable_parameters(draft)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]  # norms: decaying them only fights the scale
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=spec.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(spec.seed)
-    log_every = max(spec.steps // 10, 1)
-    start, running = time.perf_counter(), None
-    draft.train()
-    for step in range(spec.steps):
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine_lr(step, spec.lr, spec.warmup, spec.steps)
+    def batch_loss(gen: torch.Generator):
         idx = torch.randint(0, len(data.tokens), (spec.batch,), generator=gen).tolist()
-        batch = padded_batch(data, labels, idx, spec.max_len)
-        loss, feat_loss, token_loss = distill_loss(draft, *batch, subset, spec)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
-        if (step + 1) % log_every == 0 or step + 1 == spec.steps:
-            progress(f"[draft] step {step + 1}/{spec.steps} loss {running:.3f} (feature {feat_loss.item():.3f}, "
-                     f"token {token_loss.item():.3f}) {time.perf_counter() - start:.1f}s")
-    draft.eval()
-    for p in draft.parameters():
-        p.requires_grad_(False)
-    return {"steps": spec.steps, "seconds": round(time.perf_counter() - start, 1), "final_loss": round(running, 4)}
+        loss, feat_loss, token_loss = distill_loss(draft, *padded_batch(data, labels, idx, spec.max_len), subset, spec)
+        return loss, {"feature": feat_loss, "token": token_loss}
+
+    return fit(draft, trainable_parameters(draft), batch_loss, steps=spec.steps, lr=spec.lr, warmup=spec.warmup,
+               seed=spec.seed, tag="draft", progress=progress, weight_decay=0.01)
 
 
 @torch.no_grad()

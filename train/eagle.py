@@ -44,8 +44,8 @@ from .distill import (
     target_tokenizer,
     token_stream,
     train_for_family,
-    warmup_cosine_lr,
 )
+from .loop import fit
 from .responses import data_hash, load_split, next_token_labels, response_tokens, windows
 
 Progress = Callable[[str], None]
@@ -140,15 +140,8 @@ def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: E
                progress: Progress, labels: torch.Tensor | None = None, subset: VocabSubset | None = None) -> dict:
     """Feature loss + token loss. `labels` [N, L]: the target's token after each position (else its
     argmax from the features); with `subset` the token loss ranks only its tokens."""
-    params = [p for n, p in head.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    start, running = time.perf_counter(), None
-    log_every = max(spec.steps // 10, 1)
-    head.train()
-    for step in range(spec.steps):
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine_lr(step, spec.lr, spec.warmup, spec.steps)
+
+    def batch_loss(gen: torch.Generator):
         idx = torch.randint(0, len(seqs), (spec.batch,), generator=gen)
         s, f = seqs[idx], feats[idx]
         noisy = f + (torch.rand(f.shape, generator=gen) - 0.5) * spec.noise
@@ -165,17 +158,11 @@ def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: E
             want = subset.index[want]
         hard = F.nll_loss(logq.flatten(0, 1), want.flatten(), ignore_index=-100)
         token_loss = spec.hard_share * hard + (1 - spec.hard_share) * soft
-        loss = feat_loss + spec.token_weight * token_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
-        if (step + 1) % log_every == 0 or step + 1 == spec.steps:
-            progress(f"[eagle] step {step + 1}/{spec.steps} loss {running:.3f} (feature {feat_loss.item():.3f}, "
-                     f"token {token_loss.item():.3f}) {time.perf_counter() - start:.1f}s")
-    head.eval()
-    return {"steps": spec.steps, "seconds": round(time.perf_counter() - start, 1), "final_loss": round(running, 4)}
+        return feat_loss + spec.token_weight * token_loss, {"feature": feat_loss, "token": token_loss}
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    return fit(head, params, batch_loss, steps=spec.steps, lr=spec.lr, warmup=spec.warmup, seed=spec.seed + 1,
+               tag="eagle", progress=progress)
 
 
 @torch.no_grad()

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from . import corpus
-from .distill import evenly_spaced_windows, random_windows, take_chars, token_stream, warmup_cosine_lr
+from .distill import evenly_spaced_windows, random_windows, take_chars, token_stream
+from .loop import fit
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, copy_tokenizer, save_hf_tokenizer, train_bpe
 
 FAMILY_FORMAT = 1  # bump when the recipe changes in a way the preset hash cannot see
@@ -183,14 +184,6 @@ def n_params(model) -> int:
 # ---------------------------------------------------------------- training
 
 
-def make_optimizer(model, spec: TrainSpec) -> torch.optim.Optimizer:
-    # No weight decay on norms (1-d params): decaying them only fights the scale.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 def distill_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, kl_weight: float):
     """kl_weight * KL(teacher || student) + (1 - kl_weight) * CE(labels), per token."""
     vocab = logits.shape[-1]
@@ -208,16 +201,8 @@ def train(model, stream: torch.Tensor, spec: TrainSpec, preset: Preset, label: s
     """Train `model` in place on random windows of `stream`; distill from `teacher` if given."""
     if (teacher is None) != (spec.kl_weight == 0.0):
         raise ValueError(f"{label}: a teacher is needed exactly when kl_weight > 0")
-    gen = torch.Generator().manual_seed(seed)
-    opt = make_optimizer(model, spec)
-    model.train()
-    tokens_per_step = spec.batch * preset.seq_len
-    log_every = max(spec.steps // 20, 1)
-    start = time.perf_counter()
-    running = None
-    for step in range(spec.steps):
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine_lr(step, spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
+
+    def batch_loss(gen: torch.Generator):
         window = random_windows(stream, spec.batch, preset.seq_len + 1, gen)
         inputs, labels = window[:, :-1], window[:, 1:]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=preset.bf16):
@@ -226,26 +211,12 @@ def train(model, stream: torch.Tensor, spec: TrainSpec, preset: Preset, label: s
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=inputs).logits
             logits = model(input_ids=inputs).logits
-        loss = distill_loss(logits, teacher_logits, labels, spec.kl_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
-        if (step + 1) % log_every == 0 or step + 1 == spec.steps:
-            elapsed = time.perf_counter() - start
-            eta = elapsed / (step + 1) * (spec.steps - step - 1)
-            progress(
-                f"[{label}] step {step + 1}/{spec.steps} loss {running:.3f} "
-                f"{tokens_per_step * (step + 1) / elapsed:,.0f} tok/s eta {eta:.0f}s"
-            )
-    model.eval()
-    return {
-        "steps": spec.steps,
-        "tokens": spec.steps * tokens_per_step,
-        "seconds": round(time.perf_counter() - start, 1),
-        "final_train_loss": round(running, 4),
-    }
+        return distill_loss(logits, teacher_logits, labels, spec.kl_weight), {}
+
+    run = fit(model, list(model.parameters()), batch_loss, steps=spec.steps, lr=spec.lr, warmup=spec.warmup, seed=seed,
+              tag=label, progress=progress, weight_decay=spec.weight_decay, min_lr_frac=spec.min_lr_frac, logs=20)
+    return {"steps": spec.steps, "tokens": spec.steps * spec.batch * preset.seq_len, "seconds": run["seconds"],
+            "final_train_loss": run["final_loss"]}
 
 
 # ---------------------------------------------------------------- evaluation
@@ -351,8 +322,7 @@ def _build(spec: Preset, out_dir: Path, say: Progress) -> dict:
     say(f"[family] target {n_params(target):,} params, draft {n_params(draft):,} params")
 
     target_run = train(target, train_stream, spec.target_train, spec, "target", say, seed=spec.seed)
-    for p in target.parameters():
-        p.requires_grad_(False)
+    # fit leaves the target frozen: from here on it is the draft's teacher.
     draft_run = train(draft, train_stream, spec.draft_train, spec, "draft", say,
                       teacher=target, seed=spec.seed + 1)
 

@@ -46,8 +46,8 @@ from .distill import (
     target_tokenizer,
     token_stream,
     train_for_family,
-    warmup_cosine_lr,
 )
+from .loop import fit
 from .responses import data_hash, load_split, next_token_labels, response_tokens, windows
 
 Progress = Callable[[str], None]
@@ -133,19 +133,10 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, 
     """Cross-entropy of head k at t against the target's token at t+k+2 (labels[t+k+1]), weights decay**k.
 
     With `subset` only the heads' blocks train and labels outside it are left out of the loss."""
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    params = [p for head in heads.heads for p in (head.parameters() if subset is None else head[:-1].parameters())]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
     n_seq, length, _ = hidden.shape
     weights = [spec.decay**k for k in range(heads.num_heads)]
-    log_every = max(spec.steps // 10, 1)
-    start, running = time.perf_counter(), None
-    heads.heads.train()
-    for step in range(spec.steps):
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine_lr(step, spec.lr, spec.warmup, spec.steps)
+
+    def batch_loss(gen: torch.Generator):
         seq, t = _sample_positions(n_seq, length, heads.num_heads, spec.batch, gen)
         h = hidden[seq, t]
         loss = 0.0
@@ -156,18 +147,12 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, 
                     want = subset.index[want]
                 loss = loss + weights[k] * F.cross_entropy(_head_logits(head, h, subset).float(), want,
                                                            ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
-        if (step + 1) % log_every == 0 or step + 1 == spec.steps:
-            progress(f"[medusa] step {step + 1}/{spec.steps} loss {running:.3f} ({time.perf_counter() - start:.1f}s)")
-    heads.heads.eval()
-    for p in params:
-        p.requires_grad_(False)
-    return {"steps": spec.steps, "positions": spec.steps * spec.batch, "final_loss": round(running, 4),
-            "seconds": round(time.perf_counter() - start, 1)}
+        return loss, {}
+
+    params = [p for head in heads.heads for p in (head.parameters() if subset is None else head[:-1].parameters())]
+    run = fit(heads.heads, params, batch_loss, steps=spec.steps, lr=spec.lr, warmup=spec.warmup, seed=spec.seed + 1,
+              tag="medusa", progress=progress)
+    return {**run, "positions": spec.steps * spec.batch}
 
 
 @torch.no_grad()

@@ -1,0 +1,67 @@
+"""The optimisation loop every trainer here runs: the family's target and draft, the Medusa and
+EAGLE heads and the draft cut from a real target.
+
+Each trainer brings only what differs: the model, the parameters it trains and a batch loss that
+draws its batch from the loop's seeded generator. The loop owns the rest, the same for all:
+AdamW (betas 0.9/0.95, weight decay on matrices only), warm-up + cosine learning rate, gradients
+clipped to norm 1, a running loss logged `logs` times.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+
+Progress = Callable[[str], None]
+# One step's batch, drawn from the loop's generator -> (loss, {name: part of the loss} to log).
+BatchLoss = Callable[[torch.Generator], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def warmup_cosine_lr(step: int, lr: float, warmup: int, steps: int, min_frac: float = 0.1) -> float:
+    """Linear warm-up, then cosine decay from `lr` down to `lr * min_frac`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(steps - warmup, 1)
+    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def fit(model: torch.nn.Module, params: list[torch.nn.Parameter], batch_loss: BatchLoss, *, steps: int, lr: float,
+        warmup: int, seed: int, tag: str, progress: Progress, weight_decay: float = 0.0, min_lr_frac: float = 0.1,
+        logs: int = 10) -> dict:
+    """Train `params` (of `model`) for `steps` steps; they require grad only meanwhile and `model`
+    is left in eval mode. `seed` seeds the generator `batch_loss` draws its batches from.
+
+    Returns {"steps", "seconds", "final_loss"} (the running loss at the end).
+    """
+    for p in params:
+        p.requires_grad_(True)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]  # norms and biases: decaying them only fights the scale
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    log_every = max(steps // logs, 1)
+    start, running = time.perf_counter(), 0.0
+    model.train()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = warmup_cosine_lr(step, lr, warmup, steps, min_lr_frac)
+        loss, parts = batch_loss(gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        running = loss.item() if step == 0 else 0.9 * running + 0.1 * loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            elapsed = time.perf_counter() - start
+            eta = elapsed / (step + 1) * (steps - step - 1)
+            detail = ", ".join(f"{name} {part.item():.3f}" for name, part in parts.items())
+            progress(f"[{tag}] step {step + 1}/{steps} loss {running:.3f}" + (f" ({detail})" if detail else "")
+                     + f" {elapsed:.1f}s, eta {eta:.0f}s")
+    model.eval()
+    for p in params:
+        p.requires_grad_(False)
+    return {"steps": steps, "seconds": round(time.perf_counter() - start, 1), "final_loss": round(running, 4)}
