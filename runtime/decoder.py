@@ -4,7 +4,9 @@ Every model runner is a StaticDecoder: the target/draft decoders (`Decoder`, on
 ONNX Runtime in backends/ort_decoder.py, device-resident in backends/device_decoder.py)
 and the EAGLE head (drafters/eagle_head.py, whose rows also carry features).
 
-* graph_for(n): the smallest exported static token count T that holds n rows;
+* graph_for(n): the smallest static token count T that holds n rows: an exported one, or
+  any T between the smallest and the largest exported where the backend runs the one
+  dynamic-T graph at any T (`call_sizes`; ORT's fused graphs), so calls are not padded;
 * fit(n): (rows, T) of the next call over n pending rows that also fits the room left
   (near the context end a smaller graph over fewer rows; prefill and catch-ups use it);
 * forward(...): scores n rows after the cached past, padded to T by StaticCall; commits nothing;
@@ -100,17 +102,18 @@ class StaticDecoder:
 
     def __init__(self, cache, sizes, max_context: int, what: str):
         self.cache = cache
-        self.sizes = sorted(sizes)
+        self.sizes = sorted(sizes)  # the exported static T
+        self.call_sizes = self.sizes  # the T a call may run at (see the module docstring)
         self.max_context = max_context
         self.what = what  # names the model in messages
         self.calls = 0
         self.seconds = 0.0
 
     def graph_for(self, n: int) -> int:
-        return smallest_fit(self.sizes, n, self.what)
+        return smallest_fit(self.call_sizes if n <= self.sizes[-1] else self.sizes, n, self.what)
 
     def fit(self, n: int, sizes: list[int] | None = None) -> tuple[int, int] | None:
-        return fitting_call(self.sizes if sizes is None else sizes, n, self.max_context - self.cache.length)
+        return fitting_call(self.call_sizes if sizes is None else sizes, n, self.max_context - self.cache.length)
 
     def rewind(self, length: int) -> None:
         self.cache.truncate(length)

@@ -118,10 +118,13 @@ class InPlaceGraph:
 
     `tokens` sizes a dynamic-T graph (dimension graph_contract.TOKENS_DIM): each static T
     is its own binding over the one shared session, so the weights are held once.
+    `output_rows` (optional, shared by the bindings of one caller, whose calls never overlap):
+    per output name a [1, rows, ...] array at least `tokens` rows long; this binding writes its
+    first `tokens` rows, so bindings at many T hold one set of output buffers.
     """
 
     def __init__(self, path: Path, threads: int | None, kv_buffers: dict[str, np.ndarray],
-                 tokens: int | None = None):
+                 tokens: int | None = None, output_rows: dict[str, np.ndarray] | None = None):
         import onnxruntime as ort
 
         self.session = open_session(path, "ort-cpu", threads)
@@ -142,6 +145,8 @@ class InPlaceGraph:
         for name, buf in kv_buffers.items():
             bind(name, buf, False)
             bind(present_of(name), buf, True)
+        # The graph takes any token count (the caller may bind it at T it has no record of).
+        self.any_tokens = any(TOKENS_DIM in i.shape for i in self.session.get_inputs())
         self.dynamic: set[str] = set()
         for i in self.session.get_inputs():
             if i.name in kv_buffers:
@@ -158,7 +163,12 @@ class InPlaceGraph:
                 if not all(isinstance(d, int) for d in shape):
                     raise SpecDeployError(f"{Path(path).name}: output {o.name} has shape {o.shape}; "
                                           f"a dynamic-T graph needs its static T to be bound in place")
-                self.outputs[o.name] = np.zeros(shape, types[o.type])
+                shared = None if output_rows is None else output_rows.get(o.name)
+                if shared is not None and shared.shape[0] == 1 and shared.shape[1] >= shape[1] \
+                        and list(shared.shape[2:]) == shape[2:] and shared.dtype == types[o.type]:
+                    self.outputs[o.name] = shared[:, : shape[1]]  # a contiguous prefix: no copy
+                else:
+                    self.outputs[o.name] = np.zeros(shape, types[o.type])
                 bind(o.name, self.outputs[o.name], True)
 
     def run(self, feeds: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:

@@ -7,6 +7,12 @@ buffers and write the new rows in place.
 The smallest T's graph opens with the decoder, any other on its first call (or by `open`,
 at a service's warm-up): a generation opens only the sizes it runs. Sessions are shared (backends/sessions.py), so
 the fused graph, one file content for every T, is one session per model and process.
+
+That one fused graph also runs at T no record names: a call of n rows binds it at T = n
+(any n between the smallest and largest exported T) instead of padding to the next exported
+size. On a CPU a row is not free: SmolLM2-135M's T=4/9/15/64 calls cost 1.1/1.4/1.7/5.7x
+a T=1 call, so a 3-token draft verified at T=4 rather than T=9, or a 43-token prompt
+prefilled at T=43 rather than T=64, saves that difference. The bindings share output buffers.
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ import numpy as np
 
 from ..decoder import Decoder, StaticCall, StepOutput
 from ..errors import SpecDeployError
-from ..graph_contract import FEATURES, FUSED, HIDDEN, LOGITS, PAST_LENGTH, PORTABLE, present_names
+from ..graph_contract import FEATURES, FUSED, HIDDEN, LOGITS, PAST_LENGTH, PORTABLE, parse_kv_name, present_names
 from ..kv_cache import KVCache
 from ..manifest import Manifest
-from .ort import InPlaceGraph, OrtGraph
+from .ort import InPlaceGraph, OrtGraph, open_session
+from .sessions import graph_identity
 
 
 class OnFirstUse(dict):
@@ -47,18 +54,34 @@ class OrtDecoder(Decoder):
         self.presents = present_names(record.num_layers)
         self.manifest, self.backend, self.threads = manifest, backend, threads
         self.graphs: dict[int, InPlaceGraph | OrtGraph] = OnFirstUse(self._open)
+        self._output_rows: dict[str, np.ndarray] = {}  # fused: the bindings' shared outputs
         if fused:  # a static T's inputs are its graph's bound arrays (filled in place)
             self.inputs = OnFirstUse(lambda t: StaticCall(t, self.graphs[t].inputs))
         # Every generation decodes with the smallest graph: open it now, not inside a timed step.
         # With a dynamic-T export that is the model's one session; other T only add a binding.
-        self.graphs[self.sizes[0]]
+        first = self.graphs[self.sizes[0]]
+        if fused and self._one_graph(first):
+            self.call_sizes = list(range(self.sizes[0], self.sizes[-1] + 1))
+
+    def _one_graph(self, graph) -> bool:
+        """Whether every record of this model is the one dynamic-T graph (one session)."""
+        if not (isinstance(graph, InPlaceGraph) and graph.any_tokens):
+            return False
+        paths = [self.manifest.graph_path(r) for r in self.records.values()]
+        return len({graph_identity(p) for p in paths}) == 1
 
     def _open(self, t: int):
-        if t not in self.records:
+        if t not in self.records and t not in self.call_sizes:
             raise SpecDeployError(f"no {self.what} graph for T={t} (exported sizes: {self.sizes})")
-        path = self.manifest.graph_path(self.records[t])
+        path = self.manifest.graph_path(self.records.get(t) or self.records[self.sizes[0]])
         if self.fused:
-            return InPlaceGraph(path, self.threads, self.cache.buffers(), tokens=t)
+            session = open_session(path, "ort-cpu", self.threads)  # held: the binding below reuses it
+            if not self._output_rows:  # sized for the largest T: every binding writes a prefix
+                self._output_rows = {name: np.zeros((1, self.sizes[-1], *shape[2:]), dtype)
+                                     for name, (shape, dtype) in _output_shapes(session).items()}
+            graph = InPlaceGraph(path, self.threads, self.cache.buffers(), tokens=t, output_rows=self._output_rows)
+            assert graph.session is session
+            return graph
         return OrtGraph(path, self.backend, self.threads)
 
     def open(self, sizes=None) -> None:
@@ -84,3 +107,10 @@ class OrtDecoder(Decoder):
 
     def commit(self, step: StepOutput, rows) -> None:
         self.cache.commit(step.presents, rows)
+
+
+def _output_shapes(session) -> dict[str, tuple[list, type]]:
+    """A fused graph's non-KV outputs: name -> (shape, numpy dtype)."""
+    types = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+    return {o.name: (o.shape, types[o.type]) for o in session.get_outputs()
+            if parse_kv_name(o.name) is None and o.type in types}
