@@ -1,6 +1,7 @@
 """Fused drafting on the micro export with EAGLE and Medusa heads: every fused method prints
 plain greedy decoding's tokens (and HF's) and `ar`'s tokens for a seed, verifies trees within
-its node budget in which a candidate both parts propose is one node, and its drafts are used.
+its node budget in which a candidate both parts propose is one node, and its drafts are used,
+also where the model part sat steps out (lazy) and caught up.
 The merge itself on hand-built trees: tests/unit/test_fused_tree.py."""
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_greedy_equals_ar_and_hf_within_the_budget(micro_heads, micro_family, me
     from specdeploy.runtime.generate import Generation, generate
     from specdeploy.runtime.methods import build_drafter
 
-    export, accepted, shared = micro_heads, 0, 0
+    export, accepted, shared, skipped = micro_heads, 0, 0, 0
     budget = export.method_config(method).nodes
     for prompt in PROMPTS:
         ids = export.tokenizer.encode(prompt)
@@ -82,8 +83,10 @@ def test_greedy_equals_ar_and_hf_within_the_budget(micro_heads, micro_family, me
             both = _paths(parts[0]) & _paths(parts[1])
             assert merged <= _paths(parts[0]) | _paths(parts[1])
             shared += len(both & merged)
+            skipped += parts[0].tree.size == 1 < parts[1].tree.size  # lazy: the heads sat this step out
     assert accepted > NEW // 2, method  # the drafts were used
     assert shared > 0, method  # the parts did propose some candidates in common, merged into one node each
+    assert skipped > 0, method  # and the heads were left out of some steps, then caught up (tokens still equal)
 
 
 @pytest.mark.parametrize("method", FUSED)

@@ -6,6 +6,12 @@ to the whole budget); the fused drafter keeps each part's best nodes up to its s
 `nodes` and merges them into one trie under the root (a candidate both parts propose is
 one node, costing the budget once). What a part leaves unused goes to the other.
 
+The parts are a model part (EAGLE, Medusa: head calls every step it drafts) and a host part
+(suffix, prompt lookup: next to free). The host part proposes first; with `lazy`, the model
+part sits the step out when the host part proposed something and measures more accepted
+drafts per step than the model part does (on copied text the heads' calls would buy little).
+A skipped EAGLE head catches up on the skipped steps' features the next time it drafts.
+
 The shares follow each part's measured acceptance in this request: after every step the
 committed tokens are walked down each part's full proposal (the drafts it would have had
 accepted verifying alone), averaged over the steps where it proposed something
@@ -41,7 +47,7 @@ _BEST_FIRST = {"suffix", "prompt-lookup"}
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Base of the fused methods: `parts` names the two registered methods it merges."""
+    """Base of the fused methods: `parts` names the two registered methods it merges, (model, host)."""
 
     method: ClassVar[str]
     parts: ClassVar[tuple[str, str]]
@@ -51,9 +57,14 @@ class FusedConfig:
     nodes: int = 14
     prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
     decay: float = 0.7  # weight of the past in each part's running acceptance (per step it proposes)
+    # the model part (EAGLE, Medusa) is not asked to draft in a step where the host part (suffix,
+    # prompt lookup) proposes and measures more accepted drafts per step: its head calls are saved
+    lazy: bool = True
 
     def __post_init__(self):
         positive_int(self.nodes, f"{self.method}.nodes", 2)
+        if not isinstance(self.lazy, bool):
+            raise SpecDeployError(f"config: {self.method}.lazy must be true or false, got {self.lazy!r}")
         for key, low, high in (("prior", 0.0, math.inf), ("decay", 0.0, 1.0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high \
@@ -222,7 +233,12 @@ class FusedDrafter(Drafter):
         return [first, budget - first]
 
     def propose(self, state: DecodeState) -> Proposal:
-        placed = [_Part(p.propose(state), best) for p, best in zip(self.parts, self._best_first)]
+        # The host part (second: suffix, prompt lookup) first: it costs next to nothing.
+        (model, host), root = self.parts, state.tokens[-1]
+        host_proposal = host.propose(state)
+        skip = self.config.lazy and host_proposal.tree.size > 1 and self.acceptance[1] > self.acceptance[0]
+        model_proposal = Proposal.root_only(root) if skip else model.propose(state)
+        placed = [_Part(model_proposal, self._best_first[0]), _Part(host_proposal, self._best_first[1])]
         self.last = placed
         merged = MergedTree(state.tokens[-1], self.config.nodes)
         for part, share in zip(placed, self.shares()):

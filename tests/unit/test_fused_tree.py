@@ -94,7 +94,7 @@ def test_walked_counts_the_committed_tokens_a_tree_proposed():
 def test_the_budget_follows_measured_acceptance():
     a = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [40 + i for i in range(10)])
     b = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [60 + i for i in range(10)])
-    d = fused(a, b, nodes=10)
+    d = fused(a, b, nodes=10, lazy=False)
     assert d.shares() == [5, 5]  # the prior: an even split
     s = state()
     for _ in range(6):  # the target keeps taking b's copy
@@ -108,8 +108,31 @@ def test_the_budget_follows_measured_acceptance():
     assert sum(60 <= t < 70 for t in p.tokens) == second
 
 
-@pytest.mark.parametrize("bad", [{"nodes": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"}, {"decay": 1.0},
-                                 {"decay": -0.1}])
+def test_lazy_the_model_part_sits_out_while_the_host_part_is_measured_better():
+    class Counting(Fixed):
+        asked = 0
+
+        def propose(self, state):
+            self.asked += 1
+            return super().propose(state)
+
+    model = Counting((-1, 0, 1), [70, 71])
+    host = Fixed((-1, 0, 1, 2), [80, 81, 82])
+    d, s = fused(model, host, nodes=6), state()
+    for _ in range(4):  # the target takes the host's copy
+        p = d.propose(s)
+        path = [0] + [i for i in range(1, p.tree.size) if 80 <= p.tokens[i]]
+        s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
+        d.update(s, p, Verdict(path, 99), None)
+    assert model.asked == 1  # asked while both stood at the prior, then left out
+    assert paths(d.propose(s)) == {(80,), (80, 81), (80, 81, 82)}
+    empty = fused(model, Fixed((-1,), []), nodes=6)  # a host with nothing to propose: the model part drafts
+    empty.acceptance = [0.1, 5.0]
+    assert paths(empty.propose(s)) == {(70,), (70, 71)}
+
+
+@pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
+                                 {"decay": 1.0}, {"decay": -0.1}])
 def test_bad_configs_get_one_clear_error(bad):
     with pytest.raises(SpecDeployError, match=r"config: eagle\+suffix\."):
         method_spec("eagle+suffix").parse(bad)
