@@ -62,6 +62,12 @@ class BatchedExport(LoadedExport):
                                    config.verify_tokens - 1)
         return {"drafter": drafter, "adaptive": False}
 
+    def warm_up(self, method: str) -> None:
+        if method == "eagle" and self.manifest.models[TARGET].extra.get("feature_layers"):
+            raise SpecDeployError("EAGLE-3 reads the target's layer features; the batched target graph "
+                                  "outputs logits and hidden states only")
+        super().warm_up(method)
+
     def _open_decoder(self, model: str):
         if model == TARGET:
             return RowDecoder(self.manifest, self.batcher, self.slot)

@@ -9,7 +9,8 @@ then runs:
    range that did not ask write a placeholder token to their slot's trash row);
 2. every single-row call of more tokens (a speculative step: ONNX Runtime's CPU attention takes
    one row when T > 1);
-3. at most one prefill chunk, so a long prompt delays running rows by one chunk per step.
+3. at most one prefill chunk while other rows decode, so a long prompt delays running rows
+   by one chunk per step (with no row decoding, one chunk of every row that is prefilling).
 
 Rows join and leave between steps: a row is part of whichever step its call reaches.
 """
@@ -29,7 +30,7 @@ GATHER_FRACTION = 0.3  # wait at most this fraction of the last step's time for 
 GATHER_MAX_S = 0.005
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: one pending call per row
 class Work:
     slot: int
     ids: np.ndarray  # [T]
@@ -105,10 +106,13 @@ class Batcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
+            # one prefill chunk per step while other rows decode; with none decoding, every row's
+            # pending chunk (nobody waits on them)
+            decoding = any(not w.prefill for w in self._pending)
             taken, prefills = [], 0
             for w in self._pending:
                 if w.prefill:
-                    if prefills:
+                    if prefills and decoding:
                         continue
                     prefills += 1
                 taken.append(w)
