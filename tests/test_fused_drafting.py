@@ -112,3 +112,14 @@ def test_cli_runs_a_fused_method_and_rejects_a_bad_setting(micro_heads):
     bad = run_cli("generate", root, "--prompt", "def f(x):", "--method", "eagle+suffix", "--param", "nodes=64")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "needs a target graph of 65 tokens" in bad.stderr
+
+
+def test_the_service_serves_the_fused_methods(micro_heads):
+    from specdeploy.runtime.service import Service
+
+    svc = Service.load(micro_heads.manifest.root, backend="ort-cpu", warmup=True)
+    assert set(FUSED) <= set(svc.status()["methods"])  # every one opened its graphs at warm-up
+    want = svc.generate(PROMPTS[0], method="ar", max_new_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+    for method in FUSED:
+        got = svc.generate(PROMPTS[0], method=method, max_new_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+        assert got.token_ids == want.token_ids, method
