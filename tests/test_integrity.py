@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, SPECDEPLOY, run_cli
+from unit.manifest_edits import set_field
 
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.manifest import load_manifest, sha256_file
@@ -344,26 +345,14 @@ def test_unlisted_file_is_refused(export_copy):
 
 # -- hostile values ------------------------------------------------------------------------------
 
-def _set(*keys, value=None, drop=False):
-    def change(m):
-        node = m
-        for key in keys[:-1]:
-            node = node[key]
-        if drop:
-            del node[keys[-1]]
-        else:
-            node[keys[-1]] = value
-    return change
-
-
 # Every field's check on a hand-written manifest: tests/unit/test_manifest_fields.py. Here a few,
 # through LoadedExport on a real export: refused, the export unchanged.
 HOSTILE = {
-    "prefill_chunk_negative": (_set("prefill_chunk", value=-1), "prefill_chunk"),
-    "files_empty": (_set("files", value={}), "not in the files map"),
+    "prefill_chunk_negative": (set_field("prefill_chunk", value=-1), "prefill_chunk"),
+    "files_empty": (set_field("files", value={}), "not in the files map"),
     "graph_name_traversal": (lambda m: m["graphs"].update({"../../x": m["graphs"]["target_t1"]}), "unusable name"),
-    "head_dim_missing": (_set("models", "draft", "head_dim", drop=True), "models.draft.head_dim is missing"),
-    "check_failed": (_set("check", value="failed"), "did not pass its accuracy check"),
+    "head_dim_missing": (set_field("models", "draft", "head_dim", drop=True), "models.draft.head_dim is missing"),
+    "check_failed": (set_field("check", value="failed"), "did not pass its accuracy check"),
 }
 
 
@@ -376,7 +365,7 @@ def test_hostile_manifest_value_is_one_clear_error(export_copy, case):
 
 
 def test_hostile_manifest_through_the_cli(export_copy):
-    edit_manifest(export_copy, _set("prefill_chunk", value=-1))
+    edit_manifest(export_copy, set_field("prefill_chunk", value=-1))
     assert_clean_error(generate(export_copy), "manifest: prefill_chunk must be between 1 and")
 
 

@@ -13,6 +13,7 @@ import pytest
 from specdeploy.runtime import graph_contract as gc
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.manifest import load_manifest, sha256_file, write_manifest
+from unit.manifest_edits import set_field
 
 
 def _model(name: str, layers: int) -> gc.ModelRecord:
@@ -43,55 +44,43 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _set(*keys, value=None, drop=False):
-    def change(m):
-        node = m
-        for key in keys[:-1]:
-            node = node[key]
-        if drop:
-            del node[keys[-1]]
-        else:
-            node[keys[-1]] = value
-    return change
-
-
 HOSTILE = {
-    "prefill_chunk_negative": (_set("prefill_chunk", value=-1), "prefill_chunk"),
-    "prefill_chunk_zero": (_set("prefill_chunk", value=0), "prefill_chunk"),
-    "prefill_chunk_text": (_set("prefill_chunk", value="64"), "prefill_chunk must be an integer"),
-    "prefill_chunk_huge": (_set("prefill_chunk", value=10**6), "prefill_chunk"),
-    "max_context_huge": (_set("max_context", value=10**12), "max_context"),
-    "max_context_float": (_set("max_context", value=256.5), "max_context must be an integer"),
-    "max_context_bool": (_set("max_context", value=True), "max_context must be an integer"),
-    "dtype_unknown": (_set("dtype", value="int4"), "dtype"),
-    "dtype_missing": (_set("dtype", drop=True), "'dtype' is missing"),
-    "format_text": (_set("format", value="1"), "unsupported format"),
-    "files_missing": (_set("files", drop=True), "'files' is missing"),
-    "files_empty": (_set("files", value={}), "not in the files map"),
-    "files_list": (_set("files", value=["target_t1.onnx"]), "files must be a JSON object"),
-    "files_bad_digest": (_set("files", "target_t1.onnx", value="abc"), "sha256"),
-    "num_layers_negative": (_set("models", "target", "num_layers", value=-1), "models.target.num_layers"),
-    "num_layers_text": (_set("models", "target", "num_layers", value="2"), "models.target.num_layers"),
-    "vocab_size_huge": (_set("models", "target", "vocab_size", value=10**10), "models.target.vocab_size"),
-    "head_dim_missing": (_set("models", "draft", "head_dim", drop=True), "models.draft.head_dim is missing"),
-    "kv_heads_over_heads": (_set("models", "target", "num_kv_heads", value=64), "num_kv_heads"),
-    "model_extra_negative": (_set("models", "target", "max_position_embeddings", value=-5),
+    "prefill_chunk_negative": (set_field("prefill_chunk", value=-1), "prefill_chunk"),
+    "prefill_chunk_zero": (set_field("prefill_chunk", value=0), "prefill_chunk"),
+    "prefill_chunk_text": (set_field("prefill_chunk", value="64"), "prefill_chunk must be an integer"),
+    "prefill_chunk_huge": (set_field("prefill_chunk", value=10**6), "prefill_chunk"),
+    "max_context_huge": (set_field("max_context", value=10**12), "max_context"),
+    "max_context_float": (set_field("max_context", value=256.5), "max_context must be an integer"),
+    "max_context_bool": (set_field("max_context", value=True), "max_context must be an integer"),
+    "dtype_unknown": (set_field("dtype", value="int4"), "dtype"),
+    "dtype_missing": (set_field("dtype", drop=True), "'dtype' is missing"),
+    "format_text": (set_field("format", value="1"), "unsupported format"),
+    "files_missing": (set_field("files", drop=True), "'files' is missing"),
+    "files_empty": (set_field("files", value={}), "not in the files map"),
+    "files_list": (set_field("files", value=["target_t1.onnx"]), "files must be a JSON object"),
+    "files_bad_digest": (set_field("files", "target_t1.onnx", value="abc"), "sha256"),
+    "num_layers_negative": (set_field("models", "target", "num_layers", value=-1), "models.target.num_layers"),
+    "num_layers_text": (set_field("models", "target", "num_layers", value="2"), "models.target.num_layers"),
+    "vocab_size_huge": (set_field("models", "target", "vocab_size", value=10**10), "models.target.vocab_size"),
+    "head_dim_missing": (set_field("models", "draft", "head_dim", drop=True), "models.draft.head_dim is missing"),
+    "kv_heads_over_heads": (set_field("models", "target", "num_kv_heads", value=64), "num_kv_heads"),
+    "model_extra_negative": (set_field("models", "target", "max_position_embeddings", value=-5),
                              "models.target.max_position_embeddings"),
-    "models_list": (_set("models", value=[]), "models must be a JSON object"),
+    "models_list": (set_field("models", value=[]), "models must be a JSON object"),
     "no_target": (lambda m: m["models"].pop("target") and m["graphs"].clear(), "no 'target' model"),
-    "graph_tokens_huge": (_set("graphs", "target_t1", "tokens", value=10**6), "graphs.target_t1.tokens"),
-    "graph_tokens_negative": (_set("graphs", "target_t1", "tokens", value=-1), "graphs.target_t1.tokens"),
-    "graph_unknown_model": (_set("graphs", "target_t1", "model", value="ghost"), "graphs.target_t1.model"),
-    "graph_kind": (_set("graphs", "target_t1", "kind", value="lm"), "graphs.target_t1.kind"),
-    "graph_file_number": (_set("graphs", "target_t1", "file", value=7), "graphs.target_t1.file"),
+    "graph_tokens_huge": (set_field("graphs", "target_t1", "tokens", value=10**6), "graphs.target_t1.tokens"),
+    "graph_tokens_negative": (set_field("graphs", "target_t1", "tokens", value=-1), "graphs.target_t1.tokens"),
+    "graph_unknown_model": (set_field("graphs", "target_t1", "model", value="ghost"), "graphs.target_t1.model"),
+    "graph_kind": (set_field("graphs", "target_t1", "kind", value="lm"), "graphs.target_t1.kind"),
+    "graph_file_number": (set_field("graphs", "target_t1", "file", value=7), "graphs.target_t1.file"),
     "graph_name_traversal": (lambda m: m["graphs"].update({"../../x": m["graphs"]["target_t1"]}), "unusable name"),
-    "eos_text": (_set("tokenizer", "eos_token_ids", value="2"), "tokenizer.eos_token_ids"),
-    "eos_negative": (_set("tokenizer", "eos_token_ids", value=[-1]), "tokenizer.eos_token_ids[0]"),
-    "bos_out_of_vocab": (_set("tokenizer", "bos_token_id", value=10**9), "tokenizer.bos_token_id"),
-    "tokenizer_dir_number": (_set("tokenizer", "dir", value=3), "tokenizer.dir"),
-    "methods_list": (_set("methods", value=[]), "methods must be a JSON object"),
-    "check_failed": (_set("check", value="failed"), "did not pass its accuracy check"),
-    "exported_in_nan": (_set("exported_in_s", value=float("nan")), "exported_in_s"),
+    "eos_text": (set_field("tokenizer", "eos_token_ids", value="2"), "tokenizer.eos_token_ids"),
+    "eos_negative": (set_field("tokenizer", "eos_token_ids", value=[-1]), "tokenizer.eos_token_ids[0]"),
+    "bos_out_of_vocab": (set_field("tokenizer", "bos_token_id", value=10**9), "tokenizer.bos_token_id"),
+    "tokenizer_dir_number": (set_field("tokenizer", "dir", value=3), "tokenizer.dir"),
+    "methods_list": (set_field("methods", value=[]), "methods must be a JSON object"),
+    "check_failed": (set_field("check", value="failed"), "did not pass its accuracy check"),
+    "exported_in_nan": (set_field("exported_in_s", value=float("nan")), "exported_in_s"),
 }
 
 
