@@ -19,11 +19,16 @@ from ..runtime.errors import SpecDeployError
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
+def ids_by_frequency(seqs: torch.Tensor, vocab_size: int) -> list[int]:
+    """Token ids that occur in `seqs`, most frequent first (ties by id): draft_vocab.json's order."""
+    counts = torch.bincount(seqs.flatten(), minlength=vocab_size)
+    return sorted((i for i in range(vocab_size) if counts[i] > 0), key=lambda i: (-int(counts[i]), i))
+
+
 def write_draft_vocab(out_dir: Path, seqs: torch.Tensor, vocab_size: int) -> None:
     """Token ids by frequency in the head's training text (mostly the target's own greedy output)."""
     counts = torch.bincount(seqs.flatten(), minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    seen = [i for i in order if counts[i] > 0]
+    seen = ids_by_frequency(seqs, vocab_size)
     data = {"about": "target token ids by frequency in the head's training text (most frequent first)",
             "token_ids": seen, "counts": [int(counts[i]) for i in seen]}
     (Path(out_dir) / DRAFT_VOCAB_FILE).write_text(json.dumps(data) + "\n")

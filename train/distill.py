@@ -4,19 +4,26 @@ optimisation loop: train/loop.py).
 All of them read windows of one token stream cut from the corpus. The head trainers
 (Medusa, EAGLE) self-distil a frozen target: besides text windows they train on the
 target's own greedy continuations of train-split prompts, tokenized with the target's
-tokenizer, and cache their result per family (`train_for_family`).
+tokenizer. Every trainer of a target writes its result beside its output dir and swaps
+it in (`write_result`), reused while the spec and the target (or its responses) are
+unchanged (`reuse_or_train`; per family: `train_for_family`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from itertools import islice
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from ..export.draft_vocab import ids_by_frequency
+from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..runtime.errors import SpecDeployError
+from . import corpus
 
 
 def target_tokenizer(target_dir: Path):
@@ -65,12 +72,23 @@ def token_stream(tok, texts, eos: int | None, max_tokens: int | None = None, bat
     return torch.tensor(ids[:max_tokens], dtype=torch.int64)
 
 
-def ids_by_frequency(tokens: torch.Tensor, vocab_size: int) -> list[int]:
-    """Token ids that occur in `tokens`, most frequent first (ties by id): the order of the
-    draft_vocab.json a trainer writes, so a prefix of it is the export's draft vocabulary."""
-    counts = torch.bincount(tokens.flatten(), minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    return [i for i in order if counts[i] > 0]
+def corpus_streams(target_dir: Path, shuffle_seed: int, train_tokens: int,
+                   heldout_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus's train (shuffled by `shuffle_seed`) and held-out streams in the target's
+    tokenizer, each text followed by the target's end-of-sequence token."""
+    tok = target_tokenizer(target_dir)
+    eos = read_hf_config(target_dir).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    return (token_stream(tok, corpus.iter_texts("train", shuffle_seed=shuffle_seed), eos, train_tokens),
+            token_stream(tok, corpus.iter_texts("heldout"), eos, heldout_tokens))
+
+
+def frozen_target(target_dir: Path):
+    """The target in float32 with every parameter frozen: the teacher a head or draft learns from."""
+    target = load_causal_lm(target_dir, "float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target
 
 
 class VocabSubset:
@@ -86,6 +104,12 @@ class VocabSubset:
         self.weight = lm_head_weight.detach()[self.ids].float()
         self.index = torch.full((lm_head_weight.shape[0],), -100, dtype=torch.int64)
         self.index[self.ids] = torch.arange(len(ids))
+
+    @classmethod
+    def most_frequent(cls, tokens: torch.Tensor, lm_head_weight: torch.Tensor, size: int) -> "VocabSubset":
+        """The `size` tokens most frequent in `tokens`: a prefix of the draft_vocab.json written
+        from them, so the export's draft vocabulary when it keeps `size` or fewer."""
+        return cls(ids_by_frequency(tokens, lm_head_weight.shape[0])[:size], lm_head_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., len(ids)]."""
@@ -143,6 +167,35 @@ def cached_training(out_dir: Path, train_hash: str, target_hash: str | None, req
     return meta
 
 
+def write_result(out_dir: Path, meta: dict, save: Callable[[Path], None]) -> None:
+    """`save(dir)` and train.json (`meta`) written beside `out_dir`, then swapped in: an interrupted
+    run never leaves a directory that looks finished."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+
+
+def reuse_or_train(out_dir: Path, spec, source_hash: str | None, required: list[str], train: Callable[[], dict],
+                   progress: Callable[[str], None], label: str) -> dict:
+    """train.json of a finished run in `out_dir` with `spec` on `source_hash` (the target's or its
+    responses'), else `train()`'s (it writes `out_dir`) with `source_hash` added.
+
+    `required` lists the files a finished run leaves ("a|b": either); `label` starts the log line."""
+    out_dir = Path(out_dir)
+    cached = cached_training(out_dir, spec.config_hash(), source_hash, required)
+    if cached is not None:
+        progress(f"{label} reusing {out_dir} (train {spec.config_hash()})")
+        return cached
+    meta = train()
+    meta["target_hash"] = source_hash
+    (out_dir / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def train_for_family(family_dir: Path, what: str, preset: str, presets: dict, train, required: list[str],
                      progress) -> dict:
     """Heads (`what`: "medusa", "eagle") for a built family's target, cached in <family_dir>/<what>
@@ -159,11 +212,5 @@ def train_for_family(family_dir: Path, what: str, preset: str, presets: dict, tr
         raise SpecDeployError(f"{family_dir} is not a finished family build (no family.json): build the family first")
     target_hash = json.loads(fam_path.read_text()).get("config_hash")
     spec, out = presets[preset], family_dir / what
-    cached = cached_training(out, spec.config_hash(), target_hash, required)
-    if cached is not None:
-        progress(f"[{what}] {preset}: reusing {out} (train {spec.config_hash()})")
-        return cached
-    meta = train(family_dir / "target", out, spec, progress)
-    meta["target_hash"] = target_hash
-    (out / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return reuse_or_train(out, spec, target_hash, required, lambda: train(family_dir / "target", out, spec, progress),
+                          progress, f"[{what}] {preset}:")

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..export.hf_loading import load_causal_lm
 from ..runtime.errors import SpecDeployError
-from .distill import VocabSubset, cached_training, ids_by_frequency
+from .distill import VocabSubset, reuse_or_train, write_result
 from .loop import fit
 from .responses import Responses, data_hash, load_split, next_token_labels, response_tokens
 
@@ -189,28 +189,24 @@ def agreement(draft, data: Responses, labels: list[torch.Tensor], max_len: int, 
 # ---------------------------------------------------------------- build
 
 
-def _save(draft, target_dir: Path, out_dir: Path, meta: dict) -> None:
-    """The draft as an HF dir with the target's tokenizer files; swapped in whole."""
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    draft.save_pretrained(tmp, safe_serialization=True)
+def _save(draft, target_dir: Path, out: Path) -> None:
+    """The draft as an HF dir with the target's tokenizer files."""
+    draft.save_pretrained(out, safe_serialization=True)
     for path in Path(target_dir).iterdir():
         if path.is_file() and path.name not in MODEL_FILES and not path.name.startswith("model") \
-                and not (tmp / path.name).exists():
-            shutil.copyfile(path, tmp / path.name)
-    (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+                and not (out / path.name).exists():
+            shutil.copyfile(path, out / path.name)
 
 
 def build_draft(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, progress: Progress = print) -> dict:
     """Train (or reuse) a draft for the target from its responses in `data_dir`; returns train.json."""
-    target_dir, data_dir, out_dir = Path(target_dir), Path(data_dir), Path(out_dir)
-    source = data_hash(data_dir)
-    cached = cached_training(out_dir, spec.config_hash(), source, ["config.json", "model.safetensors"])
-    if cached is not None:
-        progress(f"[draft] reusing {out_dir} (train {spec.config_hash()})")
-        return cached
+    return reuse_or_train(out_dir, spec, data_hash(data_dir), ["config.json", "model.safetensors"],
+                          lambda: _distil(Path(target_dir), Path(data_dir), Path(out_dir), spec, progress),
+                          progress, "[draft]")
+
+
+def _distil(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, progress: Progress) -> dict:
+    """Cut the draft, distil it on the responses, write it to `out_dir`; returns train.json."""
     t0 = time.perf_counter()
     torch.manual_seed(spec.seed)
     target = load_causal_lm(target_dir, "float32")
@@ -218,17 +214,16 @@ def build_draft(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec
     train, heldout = load_split(data_dir, "train"), load_split(data_dir, "heldout")
     weight = target.lm_head.weight
     labels = {"train": next_token_labels(train, weight), "heldout": next_token_labels(heldout, weight)}
-    subset = VocabSubset(ids_by_frequency(response_tokens(train), weight.shape[0])[: spec.train_vocab], weight)
+    subset = VocabSubset.most_frequent(response_tokens(train), weight, spec.train_vocab)
     del target
     progress(f"[draft] layers {list(spec.layers)}: {sum(p.numel() for p in draft.parameters()):,} params; "
              f"{train.positions:,} train positions")
     run = train_draft(draft, train, labels["train"], subset, spec, progress)
     after = agreement(draft, heldout, labels["heldout"], spec.max_len)
     progress(f"[draft] held-out top-1 agreement on responses {after['top1_response']:.3f}")
-    meta = {"train_hash": spec.config_hash(), "target_hash": source, "spec": asdict(spec), "training": run,
-            "heldout": after, "seconds": round(time.perf_counter() - t0, 1),
-            "torch": torch.__version__}
-    _save(draft, target_dir, out_dir, meta)
+    meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "heldout": after,
+            "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
+    write_result(out_dir, meta, lambda out: _save(draft, target_dir, out))
     progress(f"[draft] written to {out_dir} in {meta['seconds']:.1f}s")
     return meta
 

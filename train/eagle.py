@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -32,21 +31,19 @@ import torch.nn.functional as F
 
 from ..export.draft_vocab import write_draft_vocab
 from ..export.eagle_heads import EagleHead, new_head, save_head
-from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..runtime.errors import SpecDeployError
-from . import corpus
 from .distill import (
     VocabSubset,
-    cached_training,
+    corpus_streams,
+    frozen_target,
     greedy_continuations,
-    ids_by_frequency,
     random_windows,
-    target_tokenizer,
-    token_stream,
+    reuse_or_train,
     train_for_family,
+    write_result,
 )
 from .loop import fit
-from .responses import data_hash, load_split, next_token_labels, response_tokens, windows
+from .responses import data_hash, labelled_windows, response_tokens
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
@@ -184,18 +181,14 @@ def head_accuracy(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, top:
 # ---------------------------------------------------------------- build
 
 
-def _corpus_data(target, target_dir: Path, cfg: dict, spec: EagleTrainSpec, progress: Progress, t0: float):
+def _corpus_data(target, target_dir: Path, spec: EagleTrainSpec, progress: Progress, t0: float):
     """Training (tokens, features) from corpus windows and the target's greedy continuations of
     corpus prompts; held-out sets {name: (tokens, features)}."""
-    tok = target_tokenizer(target_dir)
-    eos = cfg.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
-    gen = torch.Generator().manual_seed(spec.seed)
     length = spec.seq_len
-    train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 11), eos,
-                                (spec.data_windows + spec.gen_prompts + 8) * length * 4)
-    heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos,
-                                  (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    train_stream, heldout_stream = corpus_streams(target_dir, spec.seed + 11,
+                                                  (spec.data_windows + spec.gen_prompts + 8) * length * 4,
+                                                  (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    gen = torch.Generator().manual_seed(spec.seed)
     data = random_windows(train_stream, spec.data_windows, length, gen)
     prompts = random_windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
     generated = greedy_continuations(target, prompts, spec.gen_tokens)
@@ -213,13 +206,10 @@ def _corpus_data(target, target_dir: Path, cfg: dict, spec: EagleTrainSpec, prog
 
 def _responses_data(target, data_dir: Path, spec: EagleTrainSpec, progress: Progress, t0: float):
     """The same (with the target's next-token labels) from its responses in `data_dir` (train.responses)."""
-    weight = target.lm_head.weight
-    split = {name: load_split(data_dir, name) for name in ("train", "heldout")}
-    train = windows(split["train"], next_token_labels(split["train"], weight), spec.window)
-    heldout = windows(split["heldout"], next_token_labels(split["heldout"], weight), spec.window)
-    progress(f"[eagle] {split['train'].positions:,} positions of the target's responses in {len(train[0])} "
+    responses, train, heldout = labelled_windows(data_dir, target.lm_head.weight, spec.window)
+    progress(f"[eagle] {responses.positions:,} positions of the target's responses in {len(train[0])} "
              f"windows ({time.perf_counter() - t0:.1f}s)")
-    return train, {"heldout_responses": heldout}, response_tokens(split["train"])
+    return train, {"heldout_responses": heldout}, response_tokens(responses)
 
 
 def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress: Progress = print,
@@ -230,13 +220,9 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     t0 = time.perf_counter()
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    cfg = read_hf_config(target_dir)
-    target = load_causal_lm(target_dir, "float32")
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target = frozen_target(target_dir)
     if data_dir is None:
-        (seqs, feats, labels), evals, vocab_text = _corpus_data(target, target_dir, cfg, spec, progress, t0)
+        (seqs, feats, labels), evals, vocab_text = _corpus_data(target, Path(target_dir), spec, progress, t0)
     else:
         (seqs, feats, labels), evals, vocab_text = _responses_data(target, Path(data_dir), spec, progress, t0)
 
@@ -245,8 +231,7 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
         p.requires_grad_(False)
     subset = None
     if spec.train_vocab:
-        subset = VocabSubset(ids_by_frequency(vocab_text, target.config.vocab_size)[: spec.train_vocab],
-                             target.lm_head.weight)
+        subset = VocabSubset.most_frequent(vocab_text, target.lm_head.weight, spec.train_vocab)
     run = train_head(head, seqs, feats, spec, progress, labels, subset)
     accuracy = {what: head_accuracy(head, s, f, labels=lab, subset=subset) for what, (s, f, lab) in evals.items()}
     for what, acc in accuracy.items():
@@ -254,14 +239,12 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
                  f"(top-4 {acc['top4']:.3f})")
     meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "accuracy": accuracy,
             "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
-    # Write beside, then swap in: an interrupted run never leaves a directory that looks finished.
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_head(head, target.config, tmp, fmt)
-    write_draft_vocab(tmp, vocab_text, target.config.vocab_size)
-    (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+
+    def save(tmp: Path) -> None:
+        save_head(head, target.config, tmp, fmt)
+        write_draft_vocab(tmp, vocab_text, target.config.vocab_size)
+
+    write_result(out_dir, meta, save)
     progress(f"[eagle] head written to {out_dir} in {meta['seconds']:.1f}s")
     return meta
 
@@ -269,15 +252,9 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
 def train_eagle_cached(target_dir: Path, data_dir: Path, out_dir: Path, spec: EagleTrainSpec,
                        progress: Progress = print) -> dict:
     """`train_eagle` on the target's responses, reused while the spec and the data are unchanged."""
-    source = data_hash(data_dir)
-    cached = cached_training(Path(out_dir), spec.config_hash(), source, ["config.json"])
-    if cached is not None:
-        progress(f"[eagle] reusing {out_dir} (train {spec.config_hash()})")
-        return cached
-    meta = train_eagle(target_dir, out_dir, spec, progress, data_dir=data_dir)
-    meta["target_hash"] = source
-    (Path(out_dir) / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return reuse_or_train(out_dir, spec, data_hash(data_dir), ["config.json"],
+                          lambda: train_eagle(target_dir, out_dir, spec, progress, data_dir=data_dir),
+                          progress, "[eagle]")
 
 
 def build_eagle_head(family_dir: Path, preset: str, progress: Progress = print) -> dict:

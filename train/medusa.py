@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -33,25 +32,24 @@ import torch
 import torch.nn.functional as F
 
 from ..export.draft_vocab import write_draft_vocab
-from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..export.medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
 from ..runtime.errors import SpecDeployError
-from . import corpus
 from .distill import (
     VocabSubset,
-    cached_training,
+    corpus_streams,
+    frozen_target,
     greedy_continuations,
-    ids_by_frequency,
     random_windows,
-    target_tokenizer,
-    token_stream,
+    reuse_or_train,
     train_for_family,
+    write_result,
 )
 from .loop import fit
-from .responses import data_hash, load_split, next_token_labels, response_tokens, windows
+from .responses import data_hash, labelled_windows, response_tokens
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
+REQUIRED = [CONFIG_NAME, "|".join(WEIGHT_NAMES)]  # the files a finished run leaves (either weight file)
 
 
 @dataclass(frozen=True)
@@ -178,18 +176,14 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor
 # ---------------------------------------------------------------- entry points
 
 
-def _corpus_data(target, target_dir: Path, cfg: dict, spec: HeadsTrainSpec, progress: Progress, t0: float):
+def _corpus_data(target, target_dir: Path, spec: HeadsTrainSpec, progress: Progress, t0: float):
     """Train and held-out (hidden, labels) from the target's greedy continuations of corpus prompts,
     and the training tokens the draft vocabulary is counted on."""
-    tok = target_tokenizer(target_dir)
-    eos = cfg.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
-    gen = torch.Generator().manual_seed(spec.seed)
     length = spec.prompt_len + spec.gen_tokens
-    train_stream = token_stream(tok, corpus.iter_texts("train", shuffle_seed=spec.seed + 7), eos,
-                                (spec.gen_prompts + 8) * spec.prompt_len * 64)
-    heldout_stream = token_stream(tok, corpus.iter_texts("heldout"), eos,
-                                  (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    train_stream, heldout_stream = corpus_streams(target_dir, spec.seed + 7,
+                                                  (spec.gen_prompts + 8) * spec.prompt_len * 64,
+                                                  (spec.eval_windows + spec.eval_prompts + 8) * length * 4)
+    gen = torch.Generator().manual_seed(spec.seed)
     prompts = random_windows(train_stream, spec.gen_prompts, spec.prompt_len, gen)
     generated = greedy_continuations(target, prompts, spec.gen_tokens, batch=64)
     progress(f"[medusa] {len(generated)} greedy continuations of {spec.gen_tokens} tokens "
@@ -206,13 +200,11 @@ def _corpus_data(target, target_dir: Path, cfg: dict, spec: HeadsTrainSpec, prog
 
 def _responses_data(target, data_dir: Path, spec: HeadsTrainSpec, progress: Progress, t0: float):
     """The same from the target's responses in `data_dir` (train.responses): features computed once."""
-    weight = target.lm_head.weight
-    split = {name: load_split(data_dir, name) for name in ("train", "heldout")}
-    train_tok, hidden, labels = windows(split["train"], next_token_labels(split["train"], weight), spec.window)
-    _, eval_hidden, eval_labels = windows(split["heldout"], next_token_labels(split["heldout"], weight), spec.window)
-    progress(f"[medusa] {split['train'].positions:,} positions of the target's responses in {len(hidden)} windows "
+    responses, (_, hidden, labels), (_, eval_hidden, eval_labels) = labelled_windows(data_dir, target.lm_head.weight,
+                                                                                     spec.window)
+    progress(f"[medusa] {responses.positions:,} positions of the target's responses in {len(hidden)} windows "
              f"({time.perf_counter() - t0:.1f}s)")
-    return (hidden, labels), {"heldout_responses": (eval_hidden, eval_labels)}, response_tokens(split["train"])
+    return (hidden, labels), {"heldout_responses": (eval_hidden, eval_labels)}, response_tokens(responses)
 
 
 def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress: Progress = print,
@@ -223,21 +215,17 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     t0 = time.perf_counter()
     torch.set_num_threads(_threads(spec.threads))
     torch.manual_seed(spec.seed)
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    cfg = read_hf_config(target_dir)
-    target = load_causal_lm(target_dir, "float32")
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target_dir = Path(target_dir)
+    target = frozen_target(target_dir)
     if data_dir is None:
-        (hidden, labels), evals, vocab_text = _corpus_data(target, target_dir, cfg, spec, progress, t0)
+        (hidden, labels), evals, vocab_text = _corpus_data(target, target_dir, spec, progress, t0)
     else:
         (hidden, labels), evals, vocab_text = _responses_data(target, Path(data_dir), spec, progress, t0)
 
     heads = new_heads(spec.heads, spec.layers, target.lm_head.weight, base_model=str(target_dir.resolve()))
     subset = None
     if spec.train_vocab:
-        subset = VocabSubset(ids_by_frequency(vocab_text, target.config.vocab_size)[: spec.train_vocab],
-                             target.lm_head.weight)
+        subset = VocabSubset.most_frequent(vocab_text, target.lm_head.weight, spec.train_vocab)
     run = train_heads(heads, hidden, labels, spec, progress, subset)
     metrics = {what: head_accuracy(heads, *data, subset=subset) for what, data in evals.items()}
     for what, rows in metrics.items():
@@ -245,14 +233,12 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
                  + ", ".join(f"head {r['head']} {r['top1']:.3f}" for r in rows))
     meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "accuracy": metrics,
             "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
-    # Write beside, then swap in: an interrupted run never leaves a directory that looks finished.
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_heads(heads, tmp, fmt, extra_config={"specdeploy_train_hash": spec.config_hash()})
-    write_draft_vocab(tmp, vocab_text, target.config.vocab_size)
-    (tmp / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+
+    def save(tmp: Path) -> None:
+        save_heads(heads, tmp, fmt, extra_config={"specdeploy_train_hash": spec.config_hash()})
+        write_draft_vocab(tmp, vocab_text, target.config.vocab_size)
+
+    write_result(out_dir, meta, save)
     progress(f"[medusa] {spec.heads} heads written to {out_dir} in {meta['seconds']:.1f}s")
     return meta
 
@@ -260,21 +246,14 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
 def train_medusa_cached(target_dir: Path, data_dir: Path, out_dir: Path, spec: HeadsTrainSpec,
                         progress: Progress = print) -> dict:
     """`train_medusa` on the target's responses, reused while the spec and the data are unchanged."""
-    source = data_hash(data_dir)
-    cached = cached_training(Path(out_dir), spec.config_hash(), source, [CONFIG_NAME, "|".join(WEIGHT_NAMES)])
-    if cached is not None:
-        progress(f"[medusa] reusing {out_dir} (train {spec.config_hash()})")
-        return cached
-    meta = train_medusa(target_dir, out_dir, spec, progress, data_dir=data_dir)
-    meta["target_hash"] = source
-    (Path(out_dir) / "train.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return reuse_or_train(out_dir, spec, data_hash(data_dir), REQUIRED,
+                          lambda: train_medusa(target_dir, out_dir, spec, progress, data_dir=data_dir),
+                          progress, "[medusa]")
 
 
 def build_medusa_heads(family_dir: Path, preset: str, progress: Progress = print) -> dict:
     """Heads for a built family's target, cached in <family_dir>/medusa. Returns train.json."""
-    return train_for_family(family_dir, "medusa", preset, PRESETS, train_medusa, [CONFIG_NAME, "|".join(WEIGHT_NAMES)],
-                            progress)
+    return train_for_family(family_dir, "medusa", preset, PRESETS, train_medusa, REQUIRED, progress)
 
 
 def _say(message: str) -> None:

@@ -155,6 +155,15 @@ def load_split(data_dir: Path, split: str) -> Responses:
     return Responses.load(path)
 
 
+def labelled_windows(data_dir: Path, lm_head_weight: torch.Tensor, length: int):
+    """The train split of the target's responses in `data_dir`, then the train and the held-out
+    split's `windows` of `length` positions, labelled with the target's next tokens."""
+    split = {name: load_split(data_dir, name) for name in ("train", "heldout")}
+    train, heldout = (windows(split[name], next_token_labels(split[name], lm_head_weight), length)
+                      for name in ("train", "heldout"))
+    return split["train"], train, heldout
+
+
 def data_hash(data_dir: Path) -> str:
     """The identity of a finished data dir (its spec and target), for the trainers' caches."""
     meta = json.loads((Path(data_dir) / META_FILE).read_text())
