@@ -11,6 +11,7 @@ from ..config import positive_int
 from ..errors import SpecDeployError
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
+from .draft_length import DraftLength
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,15 @@ class PromptLookupConfig:
     #              over k=4 (verify T = k + 1, the lookahead graph's size)
     max_ngram: int = 3  # longest suffix n-gram matched first
     min_ngram: int = 1
+    # cost of one more verify row, in plain decode steps: copy only as many tokens as the
+    # acceptance so far pays for (drafters/draft_length.py); 0: always up to k (rows are free, a GPU)
+    row_cost: float = 0.05
 
     def __post_init__(self):
         positive_int(self.k, "prompt-lookup.k")
+        if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) or not \
+                0 <= self.row_cost < 1:
+            raise SpecDeployError(f"config: prompt-lookup.row_cost must be a number in [0, 1), got {self.row_cost!r}")
         positive_int(self.max_ngram, "prompt-lookup.max_ngram")
         positive_int(self.min_ngram, "prompt-lookup.min_ngram")
         if self.min_ngram > self.max_ngram:
@@ -37,7 +44,7 @@ class PromptLookupConfig:
 
 
 def build(export, config: PromptLookupConfig) -> PromptLookupDrafter:
-    return PromptLookupDrafter(config.k, config.max_ngram, config.min_ngram)
+    return PromptLookupDrafter(config.k, config.max_ngram, config.min_ngram, config.row_cost)
 
 
 def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
@@ -70,10 +77,17 @@ def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
 
-    def __init__(self, k: int, max_ngram: int, min_ngram: int):
+    def __init__(self, k: int, max_ngram: int, min_ngram: int, row_cost: float = 0.0):
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.length = DraftLength(k, row_cost)
+
+    def start(self, state: DecodeState) -> None:
+        self.length.reset()
 
     def propose(self, state: DecodeState) -> Proposal:
         tokens = np.asarray(state.tokens, dtype=np.int64)
-        cont = find_continuation(tokens, self.k, self.max_ngram, self.min_ngram)
+        cont = find_continuation(tokens, self.length(), self.max_ngram, self.min_ngram)
         return Proposal(Tree.chain(len(cont)), np.concatenate([tokens[-1:], cont]))
+
+    def update(self, state, proposal, verdict, target_out) -> None:
+        self.length.observe(proposal.tree.size - 1, verdict.accepted_drafts)
