@@ -34,6 +34,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ..runtime.errors import SpecDeployError
+from .dir_config import read_dir_config
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Keys published checkpoints may carry that the head does not need (or takes from the target).
@@ -196,21 +197,6 @@ def eagle3_feature_layers(num_layers: int, aux_ids=None) -> tuple[int, ...]:
 # ---------------------------------------------------------------- loading
 
 
-def _read_config(head_dir: Path) -> dict:
-    if not head_dir.is_dir():
-        raise SpecDeployError(f"EAGLE head directory not found: {head_dir}")
-    path = head_dir / "config.json"
-    if not path.is_file():
-        raise SpecDeployError(f"{head_dir} has no config.json: not an EAGLE head directory")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SpecDeployError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise SpecDeployError(f"{path} must be a JSON object")
-    return cfg
-
-
 def read_weights(head_dir: Path) -> dict[str, torch.Tensor]:
     """model.safetensors or pytorch_model.bin, as published."""
     for name in WEIGHT_FILES:
@@ -275,7 +261,7 @@ def _check_shapes(head: EagleHead, weights: dict, head_dir: Path) -> None:
 def load_eagle_head(head_dir: Path, target_model, dtype: torch.dtype = torch.float32) -> EagleHead:
     """A published-layout head (EAGLE-1/2 or EAGLE-3) attached to `target_model`, checked for fit."""
     head_dir = Path(head_dir)
-    cfg = _read_config(head_dir)
+    cfg = read_dir_config(head_dir, "config.json", "EAGLE head", ": not an EAGLE head directory")
     weights = read_weights(head_dir)
     version = detect_version(weights)
     tcfg = target_model.config

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..runtime.errors import SpecDeployError
+from .out_dir import build_lock
 
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see Makefile: spinning OpenMP threads fight on shared cores
@@ -264,7 +264,7 @@ def convert(out: Path, layers: int | None = None, wheel: Path | None = None, ggu
         raise SpecDeployError(f"--layers must be at least 1, got {layers}")
     if is_current(out, layers):
         return out
-    with _build_lock(out):
+    with build_lock(out):
         if is_current(out, layers):  # another process finished it while we waited
             return out
         _remove_leftovers(out)
@@ -288,18 +288,6 @@ def convert(out: Path, layers: int | None = None, wheel: Path | None = None, ggu
             shutil.rmtree(staging, ignore_errors=True)
         progress(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     return out
-
-
-@contextlib.contextmanager
-def _build_lock(out: Path):
-    """Serialize conversions into one `out` across processes (parallel test sessions share build/)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _remove_leftovers(out: Path) -> None:

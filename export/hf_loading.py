@@ -9,21 +9,13 @@ import torch
 
 from ..runtime.errors import SpecDeployError
 from .decoder_graph import SUPPORTED_MODEL_TYPES
+from .dir_config import read_dir_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def read_hf_config(model_dir: Path) -> dict:
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise SpecDeployError(f"model directory not found: {model_dir}")
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise SpecDeployError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-    try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SpecDeployError(f"{cfg_path} is not valid JSON: {exc}") from None
+    return read_dir_config(model_dir, "config.json", "model", ": not a Hugging Face model directory")
 
 
 def load_causal_lm(model_dir: Path, dtype: str = "float32"):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..runtime.errors import SpecDeployError
+from .dir_config import read_dir_config
 
 CONFIG_NAME = "config.json"
 WEIGHT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -126,15 +127,7 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
 def load_heads(heads_dir: Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
     """Load and validate a heads directory against the target's hidden size and vocabulary."""
     heads_dir = Path(heads_dir)
-    if not heads_dir.is_dir():
-        raise SpecDeployError(f"Medusa heads directory not found: {heads_dir}")
-    cfg_path = heads_dir / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise SpecDeployError(f"{heads_dir} has no {CONFIG_NAME} (expected medusa_num_heads, medusa_num_layers)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SpecDeployError(f"{cfg_path} is not valid JSON: {exc}") from None
+    cfg = read_dir_config(heads_dir, CONFIG_NAME, "Medusa heads", " (expected medusa_num_heads, medusa_num_layers)")
     weights = next((heads_dir / n for n in WEIGHT_NAMES if (heads_dir / n).is_file()), None)
     if weights is None:
         raise SpecDeployError(f"{heads_dir} holds no Medusa weights ({' or '.join(WEIGHT_NAMES)})")
@@ -145,7 +138,7 @@ def load_heads(heads_dir: Path, hidden_size: int, vocab_size: int) -> MedusaHead
         num_heads = len({k.split(".")[0] for k in state})
     for name, value in (("medusa_num_heads", num_heads), ("medusa_num_layers", num_layers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "medusa_num_heads" else 0):
-            raise SpecDeployError(f"{cfg_path}: {name} must be a non-negative integer, got {value!r}")
+            raise SpecDeployError(f"{heads_dir / CONFIG_NAME}: {name} must be a non-negative integer, got {value!r}")
 
     expected = {}
     for k in range(num_heads):

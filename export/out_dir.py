@@ -8,6 +8,7 @@ Beside OUT, in the same parent (renames there are atomic on one filesystem):
                    while it is checked: the loader refuses it either way); the next run removes it
     .OUT.old/      the previous export during the swap; the next run restores it if OUT is gone
     .OUT.lock      held (flock) by `export` and `engines`: one writer per export directory
+                   (`build_lock`: the same lock, waited for, around builds of other directories)
 
 Torch-free: engines/builder.py takes the same lock.
 """
@@ -84,6 +85,18 @@ def export_lock(out: Path, required: bool = True):
         yield
     finally:
         os.close(fd)  # releases the lock; the empty lock file stays (removing it would race)
+
+
+@contextmanager
+def build_lock(out: Path):
+    """Hold .OUT.lock, waiting while another process holds it: builds that reuse a finished `out`
+    (the test family, a converted model; parallel test sessions share build/) wait for the one
+    under way instead of failing."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(beside(out, "lock"), "w") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def _sync_dir(path: Path) -> None:

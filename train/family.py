@@ -22,8 +22,6 @@ an interrupted or outdated one is redone.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -44,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from ..export.out_dir import build_lock
 from . import corpus
 from .distill import evenly_spaced_windows, random_windows, take_chars, token_stream
 from .loop import fit
@@ -268,18 +267,6 @@ def load_cached(out_dir: Path, preset: Preset) -> dict | None:
     return meta if dirs_ok and meta.get("config_hash") == preset.config_hash() else None
 
 
-@contextlib.contextmanager
-def _build_lock(out_dir: Path):
-    """Serialize builds of one out_dir across processes (parallel test sessions share build/)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def build_family(preset: str, out_dir: Path, progress: Progress = print) -> dict:
     """Build (or reuse) the target/draft family for `preset` in `out_dir`; returns family.json."""
     spec = get_preset(preset)
@@ -289,7 +276,7 @@ def build_family(preset: str, out_dir: Path, progress: Progress = print) -> dict
         progress(msg)
         sys.stdout.flush()  # progress lines must show up live in logs, not at exit
 
-    with _build_lock(out_dir):
+    with build_lock(out_dir):
         cached = load_cached(out_dir, spec)
         if cached is not None:
             say(f"[family] {preset}: reusing {out_dir} (config {cached['config_hash']})")
