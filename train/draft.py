@@ -43,8 +43,9 @@ import torch.nn.functional as F
 
 from ..export.hf_loading import load_causal_lm
 from ..runtime.errors import SpecDeployError
+from .cli_finish import finish, say
 from .distill import VocabSubset, reuse_or_train, write_result
-from .loop import fit
+from .loop import fit, with_steps
 from .responses import Responses, data_hash, load_split, next_token_labels, response_tokens
 
 Progress = Callable[[str], None]
@@ -244,15 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None:
         if args.steps < 1:
             p.error("--steps must be >= 1")
-        spec = replace(spec, steps=args.steps, warmup=min(spec.warmup, max(args.steps // 5, 1)))
+        spec = with_steps(spec, args.steps)
     torch.set_num_threads(args.threads)
-    try:
-        meta = build_draft(args.target, args.data, args.out, spec, lambda m: print(m, flush=True))
-    except SpecDeployError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(meta["heldout"]))
-    return 0
+    return finish(lambda: build_draft(args.target, args.data, args.out, spec, say), "heldout")
 
 
 if __name__ == "__main__":

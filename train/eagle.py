@@ -22,7 +22,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..export.draft_vocab import write_draft_vocab
 from ..export.eagle_heads import EagleHead, new_head, save_head
-from ..runtime.errors import SpecDeployError
+from .cli_finish import finish, say
 from .distill import (
     VocabSubset,
     corpus_streams,
@@ -42,7 +42,7 @@ from .distill import (
     train_for_family,
     write_result,
 )
-from .loop import fit
+from .loop import fit, with_steps
 from .responses import data_hash, labelled_windows, response_tokens
 
 Progress = Callable[[str], None]
@@ -276,28 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     if (args.family is None) == (args.target is None or args.out is None):
         p.error("give either --family DIR or both --target and --out")
     if args.family is not None:
-        try:
-            meta = build_eagle_head(args.family, args.preset, lambda m: print(m, flush=True))
-        except SpecDeployError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(json.dumps(meta["accuracy"]))
-        return 0
+        return finish(lambda: build_eagle_head(args.family, args.preset, say), "accuracy")
     spec = PRESETS[args.preset]
     if args.steps is not None:
         if args.steps < 1:
             p.error("--steps must be >= 1")
-        spec = replace(spec, steps=args.steps, warmup=min(spec.warmup, max(args.steps // 5, 1)))
-    try:
-        if args.data is not None:
-            meta = train_eagle_cached(args.target, args.data, args.out, spec, lambda m: print(m, flush=True))
-        else:
-            meta = train_eagle(args.target, args.out, spec, lambda m: print(m, flush=True), args.format)
-    except SpecDeployError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(meta["accuracy"]))
-    return 0
+        spec = with_steps(spec, args.steps)
+    if args.data is not None:
+        return finish(lambda: train_eagle_cached(args.target, args.data, args.out, spec, say), "accuracy")
+    return finish(lambda: train_eagle(args.target, args.out, spec, say, args.format), "accuracy")
 
 
 if __name__ == "__main__":

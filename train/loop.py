@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -26,6 +27,12 @@ def warmup_cosine_lr(step: int, lr: float, warmup: int, steps: int, min_frac: fl
         return lr * (step + 1) / warmup
     t = (step - warmup) / max(steps - warmup, 1)
     return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def with_steps(spec, steps: int):
+    """A training spec (with `steps` and `warmup`) cut or stretched to `steps` steps; its warm-up
+    at most a fifth of them."""
+    return replace(spec, steps=steps, warmup=min(spec.warmup, max(steps // 5, 1)))
 
 
 def fit(model: torch.nn.Module, params: list[torch.nn.Parameter], batch_loss: BatchLoss, *, steps: int, lr: float,

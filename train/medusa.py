@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..export.draft_vocab import write_draft_vocab
 from ..export.medusa_heads import CONFIG_NAME, WEIGHT_NAMES, MedusaHeads, new_heads, save_heads
-from ..runtime.errors import SpecDeployError
+from .cli_finish import finish, say
 from .distill import (
     VocabSubset,
     corpus_streams,
@@ -44,7 +44,7 @@ from .distill import (
     train_for_family,
     write_result,
 )
-from .loop import fit
+from .loop import fit, with_steps
 from .responses import data_hash, labelled_windows, response_tokens
 
 Progress = Callable[[str], None]
@@ -256,10 +256,6 @@ def build_medusa_heads(family_dir: Path, preset: str, progress: Progress = print
     return train_for_family(family_dir, "medusa", preset, PRESETS, train_medusa, REQUIRED, progress)
 
 
-def _say(message: str) -> None:
-    print(message, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Train Medusa-1 heads (frozen target, self-distillation).")
     p.add_argument("--target", type=Path, help="HF model directory of the target")
@@ -275,33 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", default="safetensors", choices=["safetensors", "pt"])
     args = p.parse_args(argv)
     if args.family is not None:
-        try:
-            meta = build_medusa_heads(args.family, args.preset, lambda m: print(m, flush=True))
-        except SpecDeployError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(json.dumps(meta["accuracy"]))
-        return 0
+        return finish(lambda: build_medusa_heads(args.family, args.preset, say), "accuracy")
     if args.target is None or args.out is None:
         p.error("--target and --out are required (or --family DIR)")
     spec = PRESETS[args.preset]
     spec = replace(spec, heads=spec.heads if args.heads is None else args.heads,
                    layers=spec.layers if args.layers is None else args.layers)
     if args.steps is not None:
-        spec = replace(spec, steps=args.steps, warmup=min(spec.warmup, max(args.steps // 5, 1)))
+        spec = with_steps(spec, args.steps)
     for name in ("heads", "steps"):
         if getattr(spec, name) < 1:
             p.error(f"--{name} must be >= 1")
-    try:
-        if args.data is not None:
-            meta = train_medusa_cached(args.target, args.data, args.out, spec, _say)
-        else:
-            meta = train_medusa(args.target, args.out, spec, _say, args.format)
-    except SpecDeployError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(meta["accuracy"]))
-    return 0
+    if args.data is not None:
+        return finish(lambda: train_medusa_cached(args.target, args.data, args.out, spec, say), "accuracy")
+    return finish(lambda: train_medusa(args.target, args.out, spec, say, args.format), "accuracy")
 
 
 if __name__ == "__main__":

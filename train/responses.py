@@ -41,6 +41,7 @@ from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..runtime.chat_template import ChatTemplate, chat_messages
 from ..runtime.errors import SpecDeployError
 from . import chat_prompts, corpus
+from .cli_finish import finish, say
 from .distill import target_fingerprint, target_tokenizer
 
 Progress = Callable[[str], None]
@@ -339,13 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    try:
-        meta = build_responses(args.target, args.out, PRESETS[args.preset], lambda m: print(m, flush=True))
-    except SpecDeployError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({k: meta[k] for k in ("train", "heldout")}))
-    return 0
+    return finish(lambda: build_responses(args.target, args.out, PRESETS[args.preset], say), "train", "heldout")
 
 
 if __name__ == "__main__":
