@@ -1,4 +1,5 @@
-"""The batch scheduler: one thread runs every target call of the batch's rows.
+"""The batch scheduler: one thread runs the target calls of the batch's rows (a row alone runs
+its own, on its thread).
 
 Each row (a request's generation on its own thread, runtime/generate.py) submits its target
 calls here and waits. A step of the scheduler gathers what the rows have submitted, waiting
@@ -58,6 +59,7 @@ class Batcher:
         self.steps = 0
         self.observers: list = []  # callables (rows in the call, tokens per row, seconds) after each call
         self._closed = False
+        self._running = False  # a step is running (on the scheduler's thread or a lone row's)
         self._thread = threading.Thread(target=self._loop, name="specdeploy-batcher", daemon=True)
         self._thread.start()
 
@@ -76,12 +78,24 @@ class Batcher:
         return len(self._active)
 
     def submit(self, work: Work) -> Work:
-        """Queue one call and wait for it; raises what the call raised."""
+        """Queue one call and wait for it; raises what the call raised. A row alone runs its call
+        on its own thread (no hand-off to the scheduler's and back: two thread wake-ups a step)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
-            self._pending.append(work)
-            self._cond.notify_all()
+            direct = not self._running and not self._pending and len(self._active) <= 1
+            if direct:
+                self._running = True
+            else:
+                self._pending.append(work)
+                self._cond.notify_all()
+        if direct:
+            try:
+                self._step([work])
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
         work.done.wait()
         if work.error is not None:
             raise work.error
@@ -96,7 +110,7 @@ class Batcher:
     # -- the loop -----------------------------------------------------------------
     def _gather(self) -> list[Work] | None:
         with self._cond:
-            while not self._pending and not self._closed:
+            while (not self._pending or self._running) and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
@@ -117,6 +131,7 @@ class Batcher:
                     prefills += 1
                 taken.append(w)
             self._pending = [w for w in self._pending if w not in taken]
+            self._running = True
             return taken
 
     def _loop(self) -> None:
@@ -124,15 +139,23 @@ class Batcher:
             work = self._gather()
             if work is None:
                 return
-            start = time.perf_counter()
-            decodes = [w for w in work if w.tokens == 1 and not w.prefill]
-            if decodes:
-                self._run(decodes, self._decode)
-            for w in work:
-                if w.tokens > 1 or w.prefill:
-                    self._run([w], self._single)
-            self._last_step_s = time.perf_counter() - start
-            self.steps += 1
+            try:
+                self._step(work)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def _step(self, work: list[Work]) -> None:
+        start = time.perf_counter()
+        decodes = [w for w in work if w.tokens == 1 and not w.prefill]
+        if decodes:
+            self._run(decodes, self._decode)
+        for w in work:
+            if w.tokens > 1 or w.prefill:
+                self._run([w], self._single)
+        self._last_step_s = time.perf_counter() - start
+        self.steps += 1
 
     def _run(self, work: list[Work], call) -> float:
         start = time.perf_counter()
