@@ -8,9 +8,13 @@ one node, costing the budget once). What a part leaves unused goes to the other.
 
 The parts are a model part (EAGLE, Medusa: head calls every step it drafts) and a host part
 (suffix, prompt lookup: next to free). The host part proposes first; with `lazy`, the model
-part sits the step out when the host part proposed something and measures more accepted
-drafts per step than the model part does (on copied text the heads' calls would buy little).
-A skipped EAGLE head catches up on the skipped steps' features the next time it drafts.
+part sits the step out when the host part proposed something and either measures more
+accepted drafts per step than the model part, or the tokens per second expected with the
+model's drafts, (1 + max(host, model)) / (step + model's drafting time), are no more than
+without, (1 + host) / step (both times measured in this request, running averages). On
+copied text the heads' calls buy little. A skipped EAGLE head catches up on the skipped
+steps' features the next time it drafts. Timing decides only which drafts are tried, never
+which tokens are emitted.
 
 The shares follow each part's measured acceptance in this request: after every step the
 committed tokens are walked down each part's full proposal (the drafts it would have had
@@ -28,6 +32,7 @@ keys only.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -58,7 +63,7 @@ class FusedConfig:
     prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
     decay: float = 0.7  # weight of the past in each part's running acceptance (per step it proposes)
     # the model part (EAGLE, Medusa) is not asked to draft in a step where the host part (suffix,
-    # prompt lookup) proposes and measures more accepted drafts per step: its head calls are saved
+    # prompt lookup) proposes and drafting with the model is not worth its time: its head calls are saved
     lazy: bool = True
 
     def __post_init__(self):
@@ -223,6 +228,22 @@ class FusedDrafter(Drafter):
             part.start(state)
         self.acceptance = [float(self.config.prior)] * len(self.parts)
         self.last: list[_Part] = []  # this step's parts and their placement (tests read it)
+        # running seconds: the model part's drafting, and a step without it (host drafting, verify, update)
+        self.model_s: float | None = None
+        self.step_s: float | None = None
+        self._host_s, self._proposed_at = 0.0, 0.0
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else self.config.decay * old + (1 - self.config.decay) * new
+
+    def model_worth_it(self) -> bool:
+        """Whether the model part's drafts are expected to buy more tokens per second than they cost."""
+        host, model = self.acceptance[1], self.acceptance[0]
+        if host > model:
+            return False
+        if self.model_s is None or self.step_s is None:
+            return True  # not measured yet: draft, and measure
+        return (1 + max(host, model)) * self.step_s > (1 + host) * (self.step_s + self.model_s)
 
     def shares(self) -> list[int]:
         """The budget split in proportion to each part's running acceptance."""
@@ -235,9 +256,15 @@ class FusedDrafter(Drafter):
     def propose(self, state: DecodeState) -> Proposal:
         # The host part (second: suffix, prompt lookup) first: it costs next to nothing.
         (model, host), root = self.parts, state.tokens[-1]
+        t0 = time.perf_counter()
         host_proposal = host.propose(state)
-        skip = self.config.lazy and host_proposal.tree.size > 1 and self.acceptance[1] > self.acceptance[0]
-        model_proposal = Proposal.root_only(root) if skip else model.propose(state)
+        t1 = time.perf_counter()
+        self._host_s = t1 - t0
+        if self.config.lazy and host_proposal.tree.size > 1 and not self.model_worth_it():
+            model_proposal = Proposal.root_only(root)
+        else:
+            model_proposal = model.propose(state)
+            self.model_s = self._average(self.model_s, time.perf_counter() - t1)
         placed = [_Part(model_proposal, self._best_first[0]), _Part(host_proposal, self._best_first[1])]
         self.last = placed
         merged = MergedTree(state.tokens[-1], self.config.nodes)
@@ -246,13 +273,17 @@ class FusedDrafter(Drafter):
         # What one part leaves unused goes to the other: the better-measured first.
         for i in sorted(range(len(placed)), key=lambda i: -self.acceptance[i]):
             placed[i].place(merged, self.config.nodes)
-        return merged.proposal()
+        proposal = merged.proposal()
+        self._proposed_at = time.perf_counter()
+        return proposal
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
         # Both parts read the merged step: the accepted path's rows (EAGLE's features, Medusa's
         # hidden state) and the committed tokens are what they would read of their own.
         for part in self.parts:
             part.update(state, proposal, verdict, target_out)
+        if self.last:  # a step this drafter proposed (not a plain one): verify + updates + host drafting
+            self.step_s = self._average(self.step_s, time.perf_counter() - self._proposed_at + self._host_s)
         committed = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus
         keep = self.config.decay
         for i, placed in enumerate(self.last):

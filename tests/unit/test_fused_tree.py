@@ -131,6 +131,18 @@ def test_lazy_the_model_part_sits_out_while_the_host_part_is_measured_better():
     assert paths(empty.propose(s)) == {(70,), (70, 71)}
 
 
+def test_lazy_weighs_the_model_parts_drafting_time_against_what_it_buys():
+    model, host = Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0), [80])
+    d = fused(model, host, nodes=6)
+    assert d.model_worth_it()  # nothing measured yet: draft with both, and measure
+    d.acceptance, d.step_s = [2.0, 1.0], 1.0
+    d.model_s = 0.2  # 3 tokens per 1.2 s beat 2 per 1.0 s
+    assert d.model_worth_it() and (70,) in paths(d.propose(state()))
+    d.model_s = 0.6  # 3 per 1.6 s do not
+    assert not d.model_worth_it() and paths(d.propose(state())) == {(80,)}
+    assert fused(model, host, nodes=6, lazy=False).propose(state()).tree.size == 4  # never left out
+
+
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
                                  {"decay": 1.0}, {"decay": -0.1}])
 def test_bad_configs_get_one_clear_error(bad):
