@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
+from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 from typing import Callable
@@ -165,6 +167,19 @@ def cached_training(out_dir: Path, train_hash: str, target_hash: str | None, req
     if meta.get("train_hash") != train_hash or meta.get("target_hash") != target_hash:
         return None
     return meta
+
+
+def spec_hash(spec, fmt: int) -> str:
+    """A dataclass spec's identity with its recipe's format number: what a cached result is keyed by."""
+    blob = json.dumps({"format": fmt, **asdict(spec)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_meta(spec, run: dict, t0: float, **scores) -> dict:
+    """train.json's content: the spec and its hash, the training run, `scores`, the seconds since
+    `t0` and the torch version."""
+    return {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, **scores,
+            "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
 
 
 def write_result(out_dir: Path, meta: dict, save: Callable[[Path], None]) -> None:

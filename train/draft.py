@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
-import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -44,7 +42,7 @@ import torch.nn.functional as F
 from ..export.hf_loading import load_causal_lm
 from ..runtime.errors import SpecDeployError
 from .cli_finish import finish, say
-from .distill import VocabSubset, reuse_or_train, write_result
+from .distill import VocabSubset, reuse_or_train, run_meta, spec_hash, write_result
 from .loop import fit, with_steps
 from .responses import Responses, data_hash, load_split, next_token_labels, response_tokens
 
@@ -70,8 +68,7 @@ class DraftSpec:
     seed: int = 0
 
     def config_hash(self) -> str:
-        blob = json.dumps({"format": TRAIN_FORMAT, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return spec_hash(self, TRAIN_FORMAT)
 
 
 PRESETS = {
@@ -222,8 +219,7 @@ def _distil(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, pr
     run = train_draft(draft, train, labels["train"], subset, spec, progress)
     after = agreement(draft, heldout, labels["heldout"], spec.max_len)
     progress(f"[draft] held-out top-1 agreement on responses {after['top1_response']:.3f}")
-    meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "heldout": after,
-            "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
+    meta = run_meta(spec, run, t0, heldout=after)
     write_result(out_dir, meta, lambda out: _save(draft, target_dir, out))
     progress(f"[draft] written to {out_dir} in {meta['seconds']:.1f}s")
     return meta

@@ -18,11 +18,9 @@ The target is frozen, so its features are computed once; steps run only the head
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +37,8 @@ from .distill import (
     greedy_continuations,
     random_windows,
     reuse_or_train,
+    run_meta,
+    spec_hash,
     train_for_family,
     write_result,
 )
@@ -81,8 +81,7 @@ class EagleTrainSpec:
         return self.prompt_len + self.gen_tokens
 
     def config_hash(self) -> str:
-        blob = json.dumps({"format": TRAIN_FORMAT, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return spec_hash(self, TRAIN_FORMAT)
 
 
 # Sized for the budgets on a 2-core CPU: micro <= 20 s, default <= 3 minutes.
@@ -237,8 +236,7 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     for what, acc in accuracy.items():
         progress(f"[eagle] held-out top-1 vs the target's next token ({what}): {acc['top1']:.3f} "
                  f"(top-4 {acc['top4']:.3f})")
-    meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "accuracy": accuracy,
-            "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
+    meta = run_meta(spec, run, t0, accuracy=accuracy)
 
     def save(tmp: Path) -> None:
         save_head(head, target.config, tmp, fmt)

@@ -22,7 +22,6 @@ an interrupted or outdated one is redone.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ from tokenizers import Tokenizer
 
 from ..export.out_dir import build_lock
 from . import corpus
-from .distill import evenly_spaced_windows, random_windows, take_chars, token_stream
+from .distill import evenly_spaced_windows, random_windows, spec_hash, take_chars, token_stream
 from .loop import fit
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, copy_tokenizer, save_hf_tokenizer, train_bpe
 
@@ -94,8 +93,7 @@ class Preset:
     rope_theta: float = 10000.0
 
     def config_hash(self) -> str:
-        blob = json.dumps({"format": FAMILY_FORMAT, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return spec_hash(self, FAMILY_FORMAT)
 
 
 MICRO = Preset(

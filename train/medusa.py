@@ -19,12 +19,10 @@ each step only runs the heads.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +39,8 @@ from .distill import (
     greedy_continuations,
     random_windows,
     reuse_or_train,
+    run_meta,
+    spec_hash,
     train_for_family,
     write_result,
 )
@@ -76,8 +76,7 @@ class HeadsTrainSpec:
     window: int = 64  # positions per window of the target's responses (--data)
 
     def config_hash(self) -> str:
-        blob = json.dumps({"format": TRAIN_FORMAT, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return spec_hash(self, TRAIN_FORMAT)
 
 
 # Sized for the budgets on a 2-core CPU: micro <= 20 s, default <= 2 minutes.
@@ -231,8 +230,7 @@ def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress
     for what, rows in metrics.items():
         progress(f"[medusa] held-out top-1 vs target ({what}): "
                  + ", ".join(f"head {r['head']} {r['top1']:.3f}" for r in rows))
-    meta = {"train_hash": spec.config_hash(), "spec": asdict(spec), "training": run, "accuracy": metrics,
-            "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__}
+    meta = run_meta(spec, run, t0, accuracy=metrics)
 
     def save(tmp: Path) -> None:
         save_heads(heads, tmp, fmt, extra_config={"specdeploy_train_hash": spec.config_hash()})

@@ -21,7 +21,6 @@ feature i is the target's state after token i, predicting token i + 1.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ from ..runtime.chat_template import ChatTemplate, chat_messages
 from ..runtime.errors import SpecDeployError
 from . import chat_prompts, corpus
 from .cli_finish import finish, say
-from .distill import target_fingerprint, target_tokenizer
+from .distill import spec_hash, target_fingerprint, target_tokenizer
 
 Progress = Callable[[str], None]
 DATA_FORMAT = 1  # bump when the recipe changes in a way the spec hash cannot see
@@ -64,8 +63,7 @@ class ResponsesSpec:
     seed: int = 0
 
     def config_hash(self) -> str:
-        blob = json.dumps({"format": DATA_FORMAT, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return spec_hash(self, DATA_FORMAT)
 
 
 PRESETS = {
