@@ -179,3 +179,19 @@ def test_rows_stay_lossless_whatever_draft_size_the_policy_picks(batched_export,
         assert g.token_ids == alone.generate(**job).token_ids, job
     assert max(g.stats["accepted_drafts"] / max(1, g.stats["target_calls"]) for g in got) <= 2
     assert any(g.stats["accepted_drafts"] for g in got)
+
+
+def test_a_batched_service_holds_the_target_weights_once(batched_export):
+    """Its own process: the batched graph is the only target session (no batch-1 target opened)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from specdeploy.runtime.service import Service; "
+            "from specdeploy.runtime.backends.sessions import live_sessions; "
+            "s = Service.load(sys.argv[1], batch=2); s.generate('Hello', method='prompt-lookup', max_new_tokens=4); "
+            "print(' '.join(sorted(p.name for p in live_sessions())))")
+    proc = subprocess.run([sys.executable, "-c", code, str(batched_export)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    targets = [name for name in proc.stdout.split() if name.startswith("target")]
+    assert targets == ["target_fused_batched.onnx"]
