@@ -187,7 +187,7 @@ serve-deps: setup
 
 # Soak test (not part of `make test`): a real server on the default export (else the micro family) under
 # 16 mixed clients for DURATION seconds (disconnects and bad requests included); asserts no 5xx, the pool
-# idle afterwards, RSS, fds and threads flat, greedy answers unchanged. Report: bench_out/soak.json.
+# idle afterwards, anonymous RSS, fds and threads flat, greedy answers unchanged. Report: bench_out/soak.json.
 DURATION ?= 600
 SOAK_ARGS ?= --clients 16
 .PHONY: soak

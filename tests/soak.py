@@ -10,7 +10,7 @@ model, out-of-range values, prompts past the context, oversized, non-JSON or mal
 bodies), each with the one 4xx it must get. A sampler records the server's RSS, open file
 descriptors and threads, the pool's state, the outcome counts and latency percentiles over
 time. At the end it asserts: no 5xx and no in-band stream error, no unexpected status or
-client error, the pool idle again, RSS flat after warm-up, fds and threads back to their
+client error, the pool idle again, anonymous RSS flat after warm-up, fds and threads back to their
 idle level, and greedy answers of every method identical to the ones before the soak.
 Exit status 0 when every check passes; the report is JSON on stdout (and --json).
 """
@@ -39,10 +39,11 @@ DEFAULT_EXPORT = REPO / "build" / "export" / "default"
 MICRO_EXPORT = REPO / "build" / "export" / "micro-soak"
 CHAT = ["What should I pack for a weekend camping trip?", "Write a haiku about the sea.",
         "Explain recursion to a child.", "Give me three names for a cat.", "How do I boil an egg?"]
-# RSS may grow after warm-up by at most max(RSS_GROWTH_FRACTION of the warm RSS, RSS_GROWTH_BYTES):
-# ONNX Runtime's arenas and glibc's per-thread malloc arenas settle at the largest shapes and the
-# most threads seen, which a long run reaches late by chance; a leak of even one KV cache row
-# block per request (tens of KiB) exceeds it within a few hundred requests.
+# Anonymous RSS (the process's own memory: what a leak grows; file-backed RSS is mapped weights and
+# libraries, which the kernel pages in and out with the machine's memory pressure) may grow after
+# warm-up by at most max(RSS_GROWTH_FRACTION of its warm size, RSS_GROWTH_BYTES): ONNX Runtime's
+# arenas and glibc's malloc arenas settle at the largest shapes and the most threads seen, which a
+# long run reaches late by chance; a leak of 100 KiB per request exceeds it within a few hundred.
 RSS_GROWTH_FRACTION = 0.05
 RSS_GROWTH_BYTES = 24 << 20
 FD_SLACK = 4  # idle fds after the soak vs before: a log rotation, an accepted-but-unread socket
@@ -52,11 +53,12 @@ THREAD_SLACK = 8  # idle threads after vs the most seen under load: the thread p
 # ------------------------------------------------------------------------------ the server process
 
 def proc_stats(pid: int) -> dict:
-    """RSS (bytes), threads and open fds of one process, from /proc (Linux)."""
+    """RSS (bytes; all, anonymous, file-backed), threads and open fds of one process, from /proc (Linux)."""
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "threads": int(fields["Threads"]),
-            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    kib = {name: int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "RssAnon", "RssFile")}
+    return {"rss": kib["VmRSS"], "rss_anon": kib["RssAnon"], "rss_file": kib["RssFile"],
+            "threads": int(fields["Threads"]), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
 def children_rss(pid: int) -> int:
@@ -314,6 +316,7 @@ class Sampler(threading.Thread):
             self._seen = len(self.tally.latency)
             classes = status_classes(self.tally.status)
         row = {"t": round(now - self.t0, 1), "rss_mib": round(stats["rss"] / 2**20, 1),
+               "anon_mib": round(stats["rss_anon"] / 2**20, 1), "file_mib": round(stats["rss_file"] / 2**20, 1),
                "children_rss_mib": round(children_rss(self.server.proc.pid) / 2**20, 1),
                "threads": stats["threads"], "fds": stats["fds"], "in_flight": health["in_flight"],
                "in_use": health["in_use"], "waiting": health["waiting"], "load1": os.getloadavg()[0],
@@ -348,16 +351,24 @@ def wait_idle(server: ServerProcess, timeout: float) -> bool:
     return False
 
 
-def rss_check(samples: list[dict], warmup_s: float) -> dict:
-    """RSS after warm-up: growth from the first post-warm-up sample to the end, against the bound."""
+def rss_check(samples: list[dict], warmup_s: float, key: str = "anon_mib") -> dict:
+    """Anonymous RSS after warm-up: growth from the first post-warm-up sample to the end, against the bound
+    (`key="rss_mib"`: the same figures for the whole RSS, reported beside it)."""
     after = [s for s in samples if s["t"] >= warmup_s]
     if len(after) < 2:
         return {"ok": False, "why": "too few samples after warm-up (a longer run is needed)"}
-    start, end = after[0]["rss_mib"], after[-1]["rss_mib"]
-    peak = max(s["rss_mib"] for s in after)
+    start, end = after[0][key], after[-1][key]
+    peak = max(s[key] for s in after)
     bound = max(RSS_GROWTH_FRACTION * start, RSS_GROWTH_BYTES / 2**20)
+    mid = after[len(after) // 2]
+
+    def per_100(a: dict, b: dict) -> float | None:  # growth per 100 answered requests between two samples
+        done = b["2xx"] - a["2xx"]
+        return round(100 * (b[key] - a[key]) / done, 2) if done > 0 else None
+
     return {"ok": end - start <= bound and peak - start <= 2 * bound, "warm_mib": start, "end_mib": end,
-            "peak_after_warmup_mib": peak, "growth_mib": round(end - start, 1), "bound_mib": round(bound, 1)}
+            "peak_after_warmup_mib": peak, "growth_mib": round(end - start, 1), "bound_mib": round(bound, 1),
+            "mib_per_100_requests": {"first_half": per_100(after[0], mid), "second_half": per_100(mid, after[-1])}}
 
 
 def soak(export: Path, seconds: float, clients: int, pool_size: int, interval: float, warmup_s: float | None,
@@ -401,7 +412,7 @@ def soak(export: Path, seconds: float, clients: int, pool_size: int, interval: f
         "no 5xx": status_classes(tally.status)["5xx"] == 0,
         "no unexpected outcome": not tally.problems,
         "pool idle afterwards": idle,
-        "RSS flat after warm-up": rss_check(samples[:-1], warmup_s)["ok"],
+        "anonymous RSS flat after warm-up": rss_check(samples[:-1], warmup_s)["ok"],
         "fds back to idle": idle_after["fds"] <= idle_before["fds"] + FD_SLACK,
         "threads bounded": idle_after["threads"] <= max(s["threads"] for s in under_load) + THREAD_SLACK,
         "greedy answers unchanged": before == after,
@@ -415,7 +426,8 @@ def soak(export: Path, seconds: float, clients: int, pool_size: int, interval: f
         "latency_s": {q: round(percentile(lat, v), 3) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         "ttft_s": {q: round(percentile(tally.ttft, v), 3) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         "tokens_per_s": round(tally.tokens / elapsed, 1),
-        "rss": rss_check(samples[:-1], warmup_s), "idle_before": idle_before, "idle_after": idle_after,
+        "anon_rss": rss_check(samples[:-1], warmup_s), "rss": rss_check(samples[:-1], warmup_s, "rss_mib"),
+        "idle_before": idle_before, "idle_after": idle_after,
         "threads_max_under_load": max(s["threads"] for s in under_load), "final_sample": final,
         "load_avg_end": os.getloadavg(), "problems": tally.problems[:20], "problem_count": len(tally.problems),
         "checks": checks, "ok": all(checks.values()), "samples": samples,
