@@ -154,6 +154,14 @@ def empirical_expected_tokens(paths: list[list[int]], matched: list[tuple[int, .
     return total / max(len(matched), 1)
 
 
+def timed_sizes(decoder, largest: int) -> list[int]:
+    """The call sizes the time model measures: the exported ones, and where the backend calls
+    at any T (decoder.call_sizes), each small T too: a tree of n nodes runs at T = n + 1, and
+    a row's cost is far from linear there (SmolLM2 on 2 cores: T=2 as T=1, T=4 1.1x, T=9 1.4x)."""
+    small = [t for t in decoder.call_sizes if t <= min(largest, 16)]
+    return sorted(set(decoder.sizes) | set(small))
+
+
 def time_verify(decoder, sizes: list[int], past: int, repeats: int = 20) -> list[tuple[int, float]]:
     """Median seconds of one target call per static size, with `past` cached tokens (contents irrelevant)."""
     if past + max(sizes) > decoder.max_context:
@@ -204,7 +212,7 @@ def tune(export, method: str, prompts: list[list[int]], max_new_tokens: int = 64
              f"({time.perf_counter() - start:.1f}s)")
     decoder = export.decoder("target")
     past = int(np.mean([len(p) for p in prompts])) + max_new_tokens // 2
-    model = TimeModel(time_verify(decoder, decoder.sizes, past), cal.per_step_s)
+    model = TimeModel(time_verify(decoder, timed_sizes(decoder, max_nodes + 1), past), cal.per_step_s)
     progress("[tune-tree] verify time per call: "
              + ", ".join(f"T={t} {s * 1e3:.2f}ms" for t, s in model.points)
              + f"; drafting + host {cal.per_step_s * 1e3:.2f}ms per step")
