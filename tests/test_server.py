@@ -541,7 +541,8 @@ def test_tokenizer_timeout_is_answered_and_frees_everything(chat_export):
 
 def test_short_soak(chat_export):
     """tests/soak.py for seconds: mixed methods, streams, disconnects and bad requests on a fresh server;
-    every bad request gets its 4xx, nothing 5xx, the pool idles, fds return, greedy answers unchanged.
+    every bad request gets its 4xx, nothing 5xx, the pool idles, fds return to their idle level, threads
+    stay bounded, greedy answers unchanged.
     (RSS flatness needs minutes: `make soak`.)"""
     from soak import soak
 
