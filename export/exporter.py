@@ -29,6 +29,7 @@ from ..runtime.graph_contract import (
 from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
 from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
+from .batched_graph import write_batched_target
 from .decoder_graph import DecoderGraph
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
@@ -75,7 +76,7 @@ class DecoderExporter:
     """Exports one model's decoder at several static token counts, weights shared."""
 
     def __init__(self, name: str, model, source: Path, out: Path, dtype: str, max_context: int, progress,
-                 feature_layers: tuple[int, ...] = (), fused: bool = True):
+                 feature_layers: tuple[int, ...] = (), fused: bool = True, batched_tokens: int | None = None):
         self.name, self.out, self.progress = name, out, progress
         self.model, self.feature_layers = model, tuple(feature_layers)
         self.record = model_spec(name, model, source, self.feature_layers)
@@ -90,6 +91,8 @@ class DecoderExporter:
             progress(f"  {name}: no fused graphs for {dtype} (they are {', '.join(FUSED_DTYPES)} only); "
                      "ONNX Runtime will run the portable graphs")
         self.fused_weights = SharedWeights(out, weights_file(name, FUSED)) if self.fused else None
+        # the call whose reference the batched graph (export/batched_graph.py) shares, if it is written
+        self.batched_tokens = batched_tokens if self.fused else None
 
     def export(self, tokens: int) -> dict[str, GraphRecord]:
         """The portable graph for `tokens` (and its fused twin), each with its PyTorch reference."""
@@ -112,6 +115,11 @@ class DecoderExporter:
         if self.fused:
             fused = self._export_fused(tokens, ref_feeds, ref_outputs)
             made[fused.name] = fused
+        if tokens == self.batched_tokens:
+            start = time.perf_counter()
+            batched = write_batched_target(self.model, self.out, self.max_context, ref_feeds, ref_outputs, tokens)
+            made[batched.name] = batched
+            self.progress(f"  wrote {batched.file} (batched, for serve --batch) in {time.perf_counter() - start:.1f}s")
         return made
 
     def _export_fused(self, tokens: int, ref_feeds: dict, ref_outputs) -> GraphRecord:
@@ -154,13 +162,15 @@ def export_methods(overrides: dict[str, dict], sources: dict[str, Path | None]) 
 def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
                config: Path | None = None, progress=print, eagle: Path | None = None,
                medusa: Path | None = None, medusa_tree: str | None = None, fused: bool = True,
-               check: Callable[[Manifest], None] | None = None, quantize: QuantPlan | None = None) -> Path:
+               check: Callable[[Manifest], None] | None = None, quantize: QuantPlan | None = None,
+               batched: bool = True) -> Path:
     """The whole export. `draft` (a draft model), `eagle` (an EAGLE head dir) and `medusa` (a Medusa
     heads dir, published layout) add the methods that need them; `medusa_tree` overrides
     methods.medusa.tree; `fused` adds each decoder's ORT-CPU graphs (export/fused_graph.py)
     beside the portable ones. `quantize` rewrites the fused graphs of its models with int4/int8
     weights (export/quantize.py; the portable graphs stay float) and records the scheme in the
-    manifest's `quantization`.
+    manifest's `quantization`. `batched` adds the target's batched fused graph (continuous
+    batching: export/batched_graph.py) where fused graphs are written; it stays float32.
 
     Everything is written to a staging directory beside `out` (export/out_dir.py) and swapped in
     only at the end, after `check` (the accuracy check: raises SpecDeployError on a failure) has
@@ -195,7 +205,7 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     real_out = checked_out_dir(Path(out), inputs)  # before any model loads: --out never eats an input
     with Staging(real_out, progress) as stage:
         graphs, models = _write_export(stage.path, target, draft, dtype, cfg, methods, steps, token_counts,
-                                       fused, progress)
+                                       fused, batched, progress)
         facts = {}
         if quantize is not None:  # over the written fused graphs, before their checksums
             facts["quantization"] = quantize_export(stage.path, graphs, quantize, progress)
@@ -220,14 +230,15 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
 
 
 def _write_export(out: Path, target: Path, draft: Path | None, dtype: str, cfg: ExportConfig, methods: dict,
-                  steps: dict[str, MethodExport], token_counts: list[int], fused: bool, progress):
+                  steps: dict[str, MethodExport], token_counts: list[int], fused: bool, batched: bool, progress):
     """Graphs, references and tokenizer files into `out` (the staging directory); (graphs, models)."""
     graphs, models = {}, {}
     progress(f"loading target from {target} ({dtype})")
     target_model = load_causal_lm(Path(target), dtype)
     feature_layers = tuple(layer for step in steps.values() for layer in step.prepare(target_model, progress))
+    # The batched graph's reference is one row of the prefill chunk's call (a tree mask, a past).
     exporter = DecoderExporter(TARGET, target_model, target, out, dtype, cfg.max_context, progress, feature_layers,
-                               fused)
+                               fused, batched_tokens=cfg.prefill_chunk if batched else None)
     models[TARGET] = exporter.record
     for t in token_counts:
         graphs.update(exporter.export(t))

@@ -21,7 +21,10 @@ KINDS = (DECODER, EAGLE_DRAFT, MEDUSA_HEADS)
 
 PORTABLE = "portable"  # standard ONNX ops, past/present KV as separate tensors: what TensorRT builds from
 FUSED = "fused"  # ONNX Runtime CPU contrib ops, the KV cache bound as one buffer written in place
-FLAVORS = (PORTABLE, FUSED)
+# The target's fused graph with a dynamic batch dimension too, for continuous batching (runtime/batching):
+# one record, T dynamic; the batch-1 runtime never opens it (it picks its decoder graphs by flavor).
+FUSED_BATCHED = "fused_batched"
+FLAVORS = (PORTABLE, FUSED, FUSED_BATCHED)
 # The token count T as a named dimension: decoder graphs (and EAGLE's fused head) leave it dynamic,
 # so one file content serves every static T of a model (runtime/backends/sessions.py opens it once,
 # TensorRT builds one engine with a profile per T); the runtime calls each record at its own T.
@@ -115,7 +118,7 @@ class GraphIO:
 
 def decoder_io(num_layers: int, features: bool = False, flavor: str = PORTABLE) -> GraphIO:
     """kind decoder: `features` when the target also outputs layer features (EAGLE-3)."""
-    inputs = [INPUT_IDS, POSITION_IDS, TREE_MASK] + ([PAST_LENGTH] if flavor == FUSED else [])
+    inputs = [INPUT_IDS, POSITION_IDS, TREE_MASK] + ([PAST_LENGTH] if flavor != PORTABLE else [])
     outputs = [LOGITS, HIDDEN] + ([FEATURES] if features else [])
     return GraphIO(tuple(inputs + past_names(num_layers)), tuple(outputs + present_names(num_layers)))
 
@@ -148,6 +151,10 @@ def decoder_graph_name(model: str, tokens: int, flavor: str = PORTABLE) -> str:
     return f"{model}_fused_t{tokens}" if flavor == FUSED else f"{model}_t{tokens}"
 
 
+def batched_graph_name(model: str) -> str:
+    return f"{model}_{FUSED_BATCHED}"
+
+
 def eagle_graph_name(tokens: int, width: int, hidden_size: int, flavor: str = PORTABLE) -> str:
     """`eagle_t{T}` reads hidden-size features; `eagle_f{F}_t{T}` another width (EAGLE-3 catch-up)."""
     fused = "fused_" if flavor == FUSED else ""
@@ -161,7 +168,7 @@ def graph_file(name: str) -> str:
 
 def weights_file(model: str, flavor: str = PORTABLE) -> str:
     """One external-data file per model and flavor, shared by its static-T graphs."""
-    return f"weights/{model}.fused.bin" if flavor == FUSED else f"weights/{model}.bin"
+    return f"weights/{model}.bin" if flavor == PORTABLE else f"weights/{model}.{flavor}.bin"
 
 
 # -- KV geometry ---------------------------------------------------------------------------------

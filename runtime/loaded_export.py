@@ -22,10 +22,19 @@ from .decoder import Decoder
 from .errors import SpecDeployError
 from .graph_contract import FUSED, PORTABLE, TARGET
 from .manifest import load_manifest
-from .methods import build_drafter, method_spec, validate_methods
+from .methods import REGISTRY, build_drafter, method_spec, validate_methods
 from .tokenizer import TextTokenizer
 
 FLAVOR_CHOICES = ("auto", FUSED, PORTABLE)
+
+
+def with_fused_methods(methods: dict) -> dict:
+    """`methods` plus, at their defaults, the fused methods (drafters/fused.py) whose two parts it
+    has: an export from before they existed lacks only their own keys (a fused config reads its
+    parts' exported configs)."""
+    fused = {name: spec.config() for name, spec in REGISTRY.items() if name not in methods
+             and getattr(spec.config, "parts", None) and all(part in methods for part in spec.config.parts)}
+    return {**methods, **fused}
 
 
 class LoadedExport:
@@ -48,7 +57,7 @@ class LoadedExport:
                 self.backend = next(b for b in ("ort-trt", "ort-cuda", "ort-cpu") if b in available_backends())
         self.threads = threads
         self.tokenizer = TextTokenizer(self.manifest.root / self.manifest.tokenizer.get("dir", "tokenizer"))
-        self.methods = validate_methods(self.manifest.methods)
+        self.methods = with_fused_methods(validate_methods(self.manifest.methods))
         self.prefill_chunk = int(self.manifest.raw.get("prefill_chunk", ExportConfig.prefill_chunk))
         self._decoders: dict[str, Decoder] = {}
         self._parts: dict[str, object] = {}

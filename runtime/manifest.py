@@ -14,7 +14,7 @@ from pathlib import Path
 from . import manifest_fields as fields
 from .containment import inside
 from .errors import SpecDeployError
-from .graph_contract import DECODER, FUSED, PORTABLE, TARGET, GraphRecord, ModelRecord
+from .graph_contract import DECODER, FUSED_BATCHED, PORTABLE, TARGET, GraphRecord, ModelRecord
 from .manifest_fields import CHECK_SKIPPED
 from .onnx_external import external_data_locations
 
@@ -55,8 +55,12 @@ class Manifest:
         return {g.tokens: g for g in self.graphs_of(DECODER, model, flavor)}
 
     def trt_graphs(self) -> dict[str, GraphRecord]:
-        """The graphs TensorRT builds engines from: all but the fused (ORT-only) ones."""
-        return {name: g for name, g in self.graphs.items() if g.flavor != FUSED}
+        """The graphs TensorRT builds engines from: the portable ones (not the ORT-only fused ones)."""
+        return {name: g for name, g in self.graphs.items() if g.flavor == PORTABLE}
+
+    def batched_graph(self) -> GraphRecord | None:
+        """The target's batched fused graph (continuous batching, runtime/batching), if exported."""
+        return next(iter(self.graphs_of(DECODER, TARGET, FUSED_BATCHED)), None)
 
     def graph_path(self, graph: GraphRecord) -> Path:
         return self.root / graph.file  # kept inside root when the manifest loaded
@@ -98,6 +102,16 @@ def set_check(out: Path, state: str) -> None:
     _write_json(path, {**json.loads(path.read_text()), "check": state})
 
 
+def add_graph(out: Path, record: GraphRecord, files: list[str]) -> None:
+    """Record one more graph in an existing manifest, with the checksums of its `files` (relative
+    to `out`), atomically (a reader sees the manifest without it or with all of it)."""
+    path = Path(out) / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data["graphs"][record.name] = record.to_json()
+    data["files"].update((rel, sha256_file(Path(out) / rel)) for rel in files)
+    _write_json(path, data)
+
+
 def _read(export_dir: str | Path) -> tuple[Path, Path, dict]:
     root = Path(export_dir)
     if not root.exists():
@@ -123,7 +137,7 @@ def _check_graph_files(root: Path, graphs: dict[str, GraphRecord]) -> None:
     for g in graphs.values():
         path = inside(root, g.file, f"manifest: graphs.{g.name}.file")
         if not path.is_file():
-            raise SpecDeployError(f"graph file missing: {path}")
+            raise SpecDeployError(f"graph file missing: {path} (re-export it)")
 
 
 def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir: str) -> dict[str, str]:
@@ -177,7 +191,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
     for rel, digest in files.items():  # before reading any graph: a damaged file is named as such
         fpath = root / rel
         if not fpath.is_file():
-            raise SpecDeployError(f"export file missing: {fpath} (listed in the manifest)")
+            raise SpecDeployError(f"export file missing: {fpath} (listed in the manifest; re-export it)")
         if verify_checksums and sha256_file(fpath) != digest:
             raise SpecDeployError(f"checksum mismatch for {fpath}: the file changed since export (re-export it)")
     listed = {os.path.normpath(rel) for rel in files}

@@ -14,7 +14,7 @@ import re
 from typing import NoReturn
 
 from .errors import SpecDeployError
-from .graph_contract import FLAVORS, KINDS, PORTABLE, ModelRecord
+from .graph_contract import DECODER, FLAVORS, FUSED_BATCHED, KINDS, PORTABLE, TARGET, ModelRecord
 
 DTYPES = ("float32", "float16")  # what the runtime's KV caches hold (kv_cache.NP_DTYPES)
 MAX_CONTEXT_LIMIT = 1 << 21  # 2M positions: beyond every supported model, and a KV buffer no host holds
@@ -149,6 +149,8 @@ def graph(key: str, data, models: dict, max_context: int) -> None:
         fail(f"{where}.kind", f"is {data['kind']!r}, not one of {', '.join(KINDS)}")
     if text(data.get("flavor", PORTABLE), f"{where}.flavor") not in FLAVORS:
         fail(f"{where}.flavor", f"is {data['flavor']!r}, not one of {', '.join(FLAVORS)}")
+    if data.get("flavor") == FUSED_BATCHED and (data["kind"], data["model"]) != (DECODER, TARGET):
+        fail(f"{where}.flavor", f"is {FUSED_BATCHED!r}, which only the target's decoder graph has")
     integer(data["tokens"], f"{where}.tokens", 1, max_context - 1)
     if data.get("features") is not None:
         integer(data["features"], f"{where}.features", 1, _MODEL_LIMITS["hidden_size"])

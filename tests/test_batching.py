@@ -4,7 +4,6 @@ compute for every row exactly what the batch-1 runtime computes for it alone."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,14 +24,9 @@ from specdeploy.runtime.tree import Tree
 
 
 @pytest.fixture(scope="module")
-def batched_export(micro_family, micro_export, tmp_path_factory):
-    """The micro export (hard-linked, so the session's copy is left as it was) plus its batched graph."""
-    from specdeploy.export.batched_graph import write_batched_target
-
-    out = tmp_path_factory.mktemp("batched") / "micro"
-    shutil.copytree(micro_export, out, copy_function=os.link)
-    write_batched_target(out, micro_family / "target")
-    return out
+def batched_export(micro_export):
+    """A fresh export: the exporter writes the batched target graph (no extra step)."""
+    return micro_export
 
 
 def _batch1_session(export):
@@ -53,9 +47,10 @@ def _run(session, ids, positions, mask, past, kv):
 
 def test_every_row_of_a_batched_call_equals_the_row_alone(batched_export):
     from specdeploy.runtime.batching.graph import BatchedGraph
+    from specdeploy.runtime.manifest import load_manifest
 
     single, spec = _batch1_session(batched_export)
-    batched = BatchedGraph(batched_export)
+    batched = BatchedGraph(load_manifest(batched_export))
     rng = np.random.default_rng(0)
     slots, rows = 4, 513  # max_context + the trash row
     shape = (slots, spec.num_kv_heads, rows, spec.head_dim)
@@ -195,3 +190,59 @@ def test_a_batched_service_holds_the_target_weights_once(batched_export):
     assert proc.returncode == 0, proc.stderr
     targets = [name for name in proc.stdout.split() if name.startswith("target")]
     assert targets == ["target_fused_batched.onnx"]
+
+
+def test_a_fresh_export_records_its_batched_graph_for_the_batched_service_only(batched_export):
+    """The exporter's fused_batched record: checksummed like every graph, never a batch-1 decoder
+    graph nor a TensorRT source."""
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    export = LoadedExport(batched_export)
+    manifest = export.manifest
+    record = manifest.batched_graph()
+    assert (record.file, record.model, record.flavor) == ("target_fused_batched.onnx", "target", "fused_batched")
+    assert {record.file, "weights/target.fused_batched.bin"} <= set(manifest.files)
+    assert (batched_export / "check" / "target_fused_batched.inputs.json").is_file()  # the accuracy check's
+    assert record.name not in manifest.trt_graphs()
+    chosen = {g.file for g in export.decoder("target").records.values()}  # what the batch-1 decoder opens
+    assert "target_fused_t1.onnx" in chosen and record.file not in chosen
+
+
+def test_the_batch1_service_never_opens_the_batched_graph(batched_export):
+    import subprocess
+    import sys
+
+    code = ("import sys; from specdeploy.runtime.service import Service; "
+            "from specdeploy.runtime.backends.sessions import live_sessions; "
+            "s = Service.load(sys.argv[1], pool_size=2); s.generate('Hello', method='draft', max_new_tokens=4); "
+            "print(' '.join(sorted(p.name for p in live_sessions())))")
+    proc = subprocess.run([sys.executable, "-c", code, str(batched_export)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    opened = proc.stdout.split()
+    assert "target_fused_t1.onnx" in opened and not [n for n in opened if "batched" in n]
+
+
+def test_an_older_export_gets_its_batched_graph_from_the_manual_step(micro_family, micro_export, services,
+                                                                      tmp_path):
+    """Without the record `--batch` names the fix; `python -m specdeploy.export.batched_graph` adds
+    the graph and its record (checksums), after which the export serves batched as a fresh one."""
+    from specdeploy.export.batched_graph import main as add_batched
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.manifest import load_manifest
+    from specdeploy.runtime.service import Service
+
+    old = tmp_path / "old"
+    shutil.copytree(micro_export, old, ignore=shutil.ignore_patterns("*batched*"))
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["graphs"]["target_fused_batched"]
+    manifest["files"] = {rel: d for rel, d in manifest["files"].items() if "batched" not in rel}
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpecDeployError, match="no batched target graph.*specdeploy.export.batched_graph"):
+        Service.load(old, batch=2)
+    assert add_batched([str(old), str(micro_family / "target")]) == 0
+    record = load_manifest(old).batched_graph()  # checksums verified, the new files included
+    assert record is not None and "weights/target.fused_batched.bin" in load_manifest(old).files
+    alone, _ = services
+    job = dict(prompt="Once upon a time", method="ar", max_new_tokens=6, ignore_eos=True)
+    assert Service.load(old, batch=2).generate(**job).token_ids == alone.generate(**job).token_ids

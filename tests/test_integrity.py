@@ -261,7 +261,8 @@ def _flip(path: Path) -> None:
 
 
 @pytest.mark.parametrize("rel", ["target_t1.onnx", "draft_fused_t1.onnx", "weights/target.bin",
-                                 "weights/draft.fused.bin", "tokenizer/tokenizer.json"])
+                                 "weights/draft.fused.bin", "tokenizer/tokenizer.json",
+                                 "target_fused_batched.onnx", "weights/target.fused_batched.bin"])
 @pytest.mark.parametrize("damage", [_truncate, _flip], ids=["truncated", "corrupted"])
 def test_damaged_file_is_named_at_load(export_copy, rel, damage):
     damage(export_copy / rel)

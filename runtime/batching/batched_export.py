@@ -31,7 +31,7 @@ class BatchedExport(LoadedExport):
         if self.manifest.dtype != "float32":
             raise SpecDeployError(f"batched serving runs float32 exports only (this one is {self.manifest.dtype})")
         kv = SlotKV(self.manifest.models[TARGET], rows, self.manifest.max_context)
-        self.batcher = Batcher(BatchedGraph(self.manifest.root, threads), kv)
+        self.batcher = Batcher(BatchedGraph(self.manifest, threads), kv)
         self.slot = 0
         costs = CostModel()
         self.policy = SpeculationPolicy(costs, enabled=on_by_default())

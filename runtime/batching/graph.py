@@ -1,4 +1,5 @@
-"""The batched target graph (export/batched_graph.py) run over a contiguous range of row slots.
+"""The batched target graph (the manifest's fused_batched record: export/batched_graph.py) run
+over a contiguous range of row slots.
 
 Inputs per call: input_ids, position_ids [B, T], tree_mask [B, T, T], past_length [B]; the
 KV buffers of the B slots, [B, kv_heads, S, D] views of the slot buffers (kv_slots.py), are
@@ -19,28 +20,30 @@ import numpy as np
 from ..backends.ort import open_session
 from ..errors import SpecDeployError
 from ..graph_contract import HIDDEN, INPUT_IDS, LOGITS, PAST_LENGTH, POSITION_IDS, TREE_MASK, present_of
+from ..manifest import Manifest
 
-BATCHED_GRAPH = "target_fused_batched.onnx"
-BATCHED_WEIGHTS = "weights/target.fused_batched.bin"
 # The graph's RoPE table and the slots' buffers hold max_context + 1 rows: the last one is where
 # rows that sit in a call's slot range without taking part write their one token (kv_slots.TRASH).
 EXTRA_ROWS = 1
 
 
-def batched_graph_path(export_root: Path) -> Path:
-    path = Path(export_root) / BATCHED_GRAPH
-    if not path.is_file():
-        raise SpecDeployError(f"{export_root} has no batched target graph ({BATCHED_GRAPH}): add it with "
-                              f"`python -m specdeploy.export.batched_graph {export_root}`")
-    return path
+def batched_graph_path(manifest: Manifest) -> Path:
+    """The batched graph's file, as the manifest records it (checksummed and kept inside the
+    export when the manifest loaded, like every graph)."""
+    record = manifest.batched_graph()
+    if record is None:
+        raise SpecDeployError(f"{manifest.root} has no batched target graph (exported before continuous batching, "
+                              "or with batched=False): re-export it, or add it with "
+                              f"`python -m specdeploy.export.batched_graph {manifest.root}`")
+    return manifest.graph_path(record)
 
 
 class BatchedGraph:
-    def __init__(self, export_root: Path, threads: int | None = None):
+    def __init__(self, manifest: Manifest, threads: int | None = None):
         import onnxruntime as ort
 
         self._ort = ort
-        self.session = open_session(batched_graph_path(export_root), "ort-cpu", threads)
+        self.session = open_session(batched_graph_path(manifest), "ort-cpu", threads)
         outputs = {o.name: o.shape for o in self.session.get_outputs()}
         self.vocab, self.hidden = int(outputs[LOGITS][2]), int(outputs[HIDDEN][2])
 
