@@ -62,6 +62,9 @@ def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:
         return manifest.graph_path(existing)
     if manifest.dtype not in FUSED_DTYPES:
         raise SpecDeployError(f"the batched graph is {', '.join(FUSED_DTYPES)} only (this export is {manifest.dtype})")
+    if TARGET in (manifest.quantization or {}).get("models", {}):
+        raise SpecDeployError("this export's target has quantized weights; the batched graph is float, so its rows "
+                              "would not match the export's batch-1 output (export without quantizing the target)")
     source = model_dir or manifest.models[TARGET].source
     if not source:
         raise SpecDeployError("the manifest does not say where the target came from: give the model directory")

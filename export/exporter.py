@@ -170,7 +170,7 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     beside the portable ones. `quantize` rewrites the fused graphs of its models with int4/int8
     weights (export/quantize.py; the portable graphs stay float) and records the scheme in the
     manifest's `quantization`. `batched` adds the target's batched fused graph (continuous
-    batching: export/batched_graph.py) where fused graphs are written; it stays float32.
+    batching: export/batched_graph.py) where float fused target graphs are written.
 
     Everything is written to a staging directory beside `out` (export/out_dir.py) and swapped in
     only at the end, after `check` (the accuracy check: raises SpecDeployError on a failure) has
@@ -204,6 +204,8 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     inputs = {"target": target, "draft": draft, "eagle": eagle, "medusa": medusa, "config": config}
     real_out = checked_out_dir(Path(out), inputs)  # before any model loads: --out never eats an input
     with Staging(real_out, progress) as stage:
+        # A quantized target's rows would not equal its batch-1 output through a float batched graph.
+        batched = batched and (quantize is None or TARGET not in quantize.schemes)
         graphs, models = _write_export(stage.path, target, draft, dtype, cfg, methods, steps, token_counts,
                                        fused, batched, progress)
         facts = {}

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..backends.ort import open_session
 from ..errors import SpecDeployError
-from ..graph_contract import HIDDEN, INPUT_IDS, LOGITS, PAST_LENGTH, POSITION_IDS, TREE_MASK, present_of
+from ..graph_contract import HIDDEN, INPUT_IDS, LOGITS, PAST_LENGTH, POSITION_IDS, TARGET, TREE_MASK, present_of
 from ..manifest import Manifest
 
 # The graph's RoPE table and the slots' buffers hold max_context + 1 rows: the last one is where
@@ -31,6 +31,11 @@ def batched_graph_path(manifest: Manifest) -> Path:
     """The batched graph's file, as the manifest records it (checksummed and kept inside the
     export when the manifest loaded, like every graph)."""
     record = manifest.batched_graph()
+    quantized = (manifest.quantization or {}).get("models", {}).get(TARGET)
+    if record is None and quantized:
+        raise SpecDeployError(f"{manifest.root} holds the target with {quantized['bits']}-bit weights and no batched "
+                              "graph (it is float32, so its rows would not match this export's batch-1 output): "
+                              "serve it without --batch, or export without quantizing the target")
     if record is None:
         raise SpecDeployError(f"{manifest.root} has no batched target graph (exported before continuous batching, "
                               "or with batched=False): re-export it, or add it with "
