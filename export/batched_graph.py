@@ -27,6 +27,7 @@ from ..runtime.graph_contract import (
     GraphRecord,
     batched_graph_name,
     decoder_io,
+    graph_file,
     weights_file,
 )
 from ..runtime.manifest import add_graph, load_manifest
@@ -34,7 +35,7 @@ from .decoder_graph import DecoderGraph
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import load_causal_lm
 from .onnx_writer import SharedWeights
-from .reference import TorchReference, decoder_feeds, torch_reference
+from .reference import CHECK_DIR, TorchReference, decoder_feeds, reference_paths, torch_reference
 
 
 def write_batched_target(causal_lm, out: Path, max_context: int, ref_feeds: dict, ref_outputs: TorchReference,
@@ -76,6 +77,12 @@ def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:
     io = decoder_io(spec.num_layers)
     outputs = torch_reference(DecoderGraph(causal_lm).eval(), feeds, io.inputs, io.outputs)
     root = manifest.root
+    name = batched_graph_name(TARGET)
+    for path in (root / graph_file(name), root / weights_file(TARGET, FUSED_BATCHED),
+                 *reference_paths(root / CHECK_DIR, name)):
+        # An unrecorded one from before: new files, not rewritten in place (a hard-linked copy of
+        # this export, or a server still running it, keeps the old ones)
+        path.unlink(missing_ok=True)
     record = write_batched_target(causal_lm, root, manifest.max_context, feeds, outputs, tokens)
     add_graph(root, record, [record.file, weights_file(TARGET, FUSED_BATCHED)])
     return manifest.graph_path(record)

@@ -4,6 +4,7 @@ compute for every row exactly what the batch-1 runtime computes for it alone."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -226,23 +227,28 @@ def test_the_batch1_service_never_opens_the_batched_graph(batched_export):
 def test_an_older_export_gets_its_batched_graph_from_the_manual_step(micro_family, micro_export, services,
                                                                       tmp_path):
     """Without the record `--batch` names the fix; `python -m specdeploy.export.batched_graph` adds
-    the graph and its record (checksums), after which the export serves batched as a fresh one."""
+    the graph and its record (checksums), after which the export serves batched as a fresh one.
+    The old export is a hard-linked copy holding unrecorded batched files (as the step wrote them
+    before): they are replaced, not rewritten in place under the export they are linked to."""
     from specdeploy.export.batched_graph import main as add_batched
     from specdeploy.runtime.errors import SpecDeployError
     from specdeploy.runtime.manifest import load_manifest
     from specdeploy.runtime.service import Service
 
     old = tmp_path / "old"
-    shutil.copytree(micro_export, old, ignore=shutil.ignore_patterns("*batched*"))
+    shutil.copytree(micro_export, old, copy_function=os.link)
     manifest = json.loads((old / "manifest.json").read_text())
     del manifest["graphs"]["target_fused_batched"]
     manifest["files"] = {rel: d for rel, d in manifest["files"].items() if "batched" not in rel}
+    (old / "manifest.json").unlink()  # a file of its own
     (old / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecDeployError, match="no batched target graph.*specdeploy.export.batched_graph"):
         Service.load(old, batch=2)
     assert add_batched([str(old), str(micro_family / "target")]) == 0
     record = load_manifest(old).batched_graph()  # checksums verified, the new files included
     assert record is not None and "weights/target.fused_batched.bin" in load_manifest(old).files
+    for rel in ("target_fused_batched.onnx", "weights/target.fused_batched.bin"):  # new files, the links left
+        assert not os.path.samefile(old / rel, micro_export / rel)
     alone, _ = services
     job = dict(prompt="Once upon a time", method="ar", max_new_tokens=6, ignore_eos=True)
     assert Service.load(old, batch=2).generate(**job).token_ids == alone.generate(**job).token_ids
