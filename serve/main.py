@@ -93,8 +93,8 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--pool-size", type=int, default=1, help="concurrent requests (one export instance each)")
     s.add_argument("--batch", type=int, help="serve up to N requests as rows of one batched target graph "
-                   "(continuous batching, ort-cpu; replaces --pool-size); needs the export's batched graph: "
-                   "python -m specdeploy.export.batched_graph OUT")
+                   "(continuous batching, ort-cpu; replaces --pool-size); float32 exports write that graph; an "
+                   "export made before it adds it with: python -m specdeploy.export.batched_graph OUT")
     s.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; beyond: 429")
     s.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait; then 429")
     s.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
