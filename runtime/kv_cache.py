@@ -61,23 +61,11 @@ class KVCache:
 
     def commit_in_place(self, rows: Sequence[int] | slice) -> None:
         """Keep the given rows of the step the graph just wrote at length..; drop the rest."""
-        start = self.length
-        if isinstance(rows, slice):
-            rows = range(rows.start or 0, rows.stop, rows.step or 1)
-        idx = np.asarray(rows, dtype=np.int64)
-        n = len(idx)
-        if start + n > self.max_context:
-            raise SpecDeployError(f"context full: {start + n} tokens exceed max_context {self.max_context}")
-        moved = np.nonzero(idx != np.arange(n))[0]
-        if len(moved):  # a tree path: rows from the first divergence on move down
-            first = int(moved[0])
-            src = start + idx[first:]
-            dst = slice(start + first, start + n)
-            for buf in (*self.keys, *self.values):
-                heads = buf[0]  # [kv_heads, S, D]: index rows on axis 1 (buf[0, :, src] would move the axis)
-                heads[:, dst] = heads[:, src]
-            self.bytes_copied += (n - first) * self._row_bytes()
-        self.length = start + n
+        # buf[0]: [kv_heads, S, D]; index rows on axis 1 (buf[0, :, src] would move the axis)
+        n, moved = keep_rows_in_place([buf[0] for buf in (*self.keys, *self.values)], self.length, rows,
+                                      self.max_context)
+        self.bytes_copied += moved * self._row_bytes()
+        self.length += n
 
     def commit(self, presents: Sequence[np.ndarray], rows: Sequence[int] | slice) -> None:
         """Append the given rows of a step's new KV (presents alternate key, value per layer)."""
@@ -106,3 +94,27 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+
+def keep_rows_in_place(heads: Sequence[np.ndarray], start: int, rows: Sequence[int] | slice,
+                       max_context: int) -> tuple[int, int]:
+    """Commit `rows` of a step written in place at start.. into [kv_heads, S, D] buffers.
+
+    Rows before the first one out of place are already where they belong; from there on (a
+    tree path) they move down. Returns (rows committed, rows moved). Shared by the batch-1
+    cache and the batch's row slots (runtime/batching/kv_slots.py).
+    """
+    if isinstance(rows, slice):
+        rows = range(rows.start or 0, rows.stop, rows.step or 1)
+    idx = np.asarray(rows, dtype=np.int64)
+    n = len(idx)
+    if start + n > max_context:
+        raise SpecDeployError(f"context full: {start + n} tokens exceed max_context {max_context}")
+    misplaced = np.nonzero(idx != np.arange(n))[0]
+    if not len(misplaced):
+        return n, 0
+    first = int(misplaced[0])
+    src, dst = start + idx[first:], slice(start + first, start + n)
+    for h in heads:
+        h[:, dst] = h[:, src]
+    return n, n - first

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import SpecDeployError
 from ..graph_contract import KEY, VALUE, ModelRecord, past_name
+from ..kv_cache import keep_rows_in_place
 from .graph import EXTRA_ROWS
 
 
@@ -52,22 +52,10 @@ class RowCache:
         return 2 * len(self.kv.keys) * k.shape[1] * k.shape[3] * k.itemsize
 
     def commit_in_place(self, rows: Sequence[int] | slice) -> None:
-        start = self.length
-        if isinstance(rows, slice):
-            rows = range(rows.start or 0, rows.stop, rows.step or 1)
-        idx = np.asarray(rows, dtype=np.int64)
-        n = len(idx)
-        if start + n > self.max_context:
-            raise SpecDeployError(f"context full: {start + n} tokens exceed max_context {self.max_context}")
-        moved = np.nonzero(idx != np.arange(n))[0]
-        if len(moved):  # a tree path: rows from the first divergence on move down
-            first = int(moved[0])
-            src, dst = start + idx[first:], slice(start + first, start + n)
-            for buf in (*self.kv.keys, *self.kv.values):
-                heads = buf[self.slot]  # [kv_heads, S, D]
-                heads[:, dst] = heads[:, src]
-            self.bytes_copied += (n - first) * self._row_bytes()
-        self.length = start + n
+        n, moved = keep_rows_in_place([buf[self.slot] for buf in (*self.kv.keys, *self.kv.values)], self.length,
+                                      rows, self.max_context)
+        self.bytes_copied += moved * self._row_bytes()
+        self.length += n
 
     def commit(self, presents, rows) -> None:
         self.commit_in_place(rows)
