@@ -101,9 +101,10 @@ def test_manifest_records_shapes_vocab_and_checksums(micro_export):
     assert manifest["tokenizer"]["eos_token_ids"]
     assert all(len(d) == 64 for d in manifest["files"].values())
     weights = [f for f in manifest["files"] if f.startswith("weights/")]
-    # one weights file per model and graph flavor, however many static-T graphs share it
+    # one weights file per model and graph flavor, however many static-T graphs share it (the target's
+    # batched graph, for serve --batch, is a flavor of its own)
     assert sorted(weights) == ["weights/draft.bin", "weights/draft.fused.bin", "weights/target.bin",
-                               "weights/target.fused.bin"]
+                               "weights/target.fused.bin", "weights/target.fused_batched.bin"]
     flavors = {(g["model"], g.get("flavor", "portable")): set() for g in manifest["graphs"].values()}
     for g in manifest["graphs"].values():
         flavors[g["model"], g.get("flavor", "portable")].add(g["tokens"])

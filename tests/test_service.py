@@ -182,10 +182,12 @@ def test_bad_requests_raise_before_queueing(export_dir):
 
 def test_async_bridge(export_dir):
     svc = Service.load(export_dir, pool_size=1, queue_size=0)
-    want = svc.generate("Hello", max_new_tokens=20)
+    # long enough that the first request still holds the instance when the second asks (the micro
+    # model decodes thousands of tokens a second, and 20 could finish before the next line runs)
+    want = svc.generate("Hello", max_new_tokens=400, ignore_eos=True)
 
     async def main():
-        run = AsyncRequest(svc.request("Hello", max_new_tokens=20))
+        run = AsyncRequest(svc.request("Hello", max_new_tokens=400, ignore_eos=True))
         assert await run.start()
         with pytest.raises(BusyError):  # the only instance is taken
             await AsyncRequest(svc.request("other", max_new_tokens=2)).start()
