@@ -259,6 +259,27 @@ def test_greedy_equals_hf_greedy(exports, hf_reference, which):
         assert accepted >= len(PROMPTS) * 4
 
 
+def test_first_step_drafts_from_the_prefill_hidden_state(exports, hf_reference):
+    """The prefill's last row produced the root, so the first step already verifies a tree;
+    a one-token prompt (no prefill) starts with a plain step."""
+    from specdeploy.runtime.generate import Generation
+
+    export = exports["trained"]
+    # A prompt that ends in the target's own continuation, as a chat template's assistant
+    # header does: the heads assume the root is the target's pick at prompt[-2].
+    ref = hf_reference[PROMPTS[0]]
+    ids = export.tokenizer.encode(PROMPTS[0]) + ref[:8]
+    gen = Generation(export, ids, method="medusa", max_new_tokens=NEW - 8, ignore_eos=True, adaptive=False)
+    steps = iter(gen)
+    next(steps)  # the first step's first token (ASCII: one token, one event)
+    assert gen.stats["target_calls"] == 1 and gen.stats["accepted_drafts"] >= 1
+    list(steps)
+    assert gen.new_ids == ref[8:]
+    alone = Generation(export, ids[:1], method="medusa", max_new_tokens=1, ignore_eos=True, adaptive=False)
+    result = alone.result()
+    assert result.stats["prefill_calls"] == 0 and result.stats["accepted_drafts"] == 0
+
+
 def test_draft_vocabulary_limits_candidates(medusa_exports, trained_heads, micro_family, tmp_path):
     """medusa.draft_vocab N: trained heads (with draft_vocab.json) propose only the N most frequent
     tokens, and greedy output is unchanged; heads without the file keep the full vocabulary."""
@@ -321,7 +342,7 @@ RUNS = 1500  # a residual rule that resamples from p after a rejection scores p 
 
 
 def test_sampling_matches_target_distribution(exports):
-    """First token: the plain first step; tokens 2-3: one Medusa step (accepts, residuals, bonus).
+    """Tokens 1-3: Medusa steps from the prefill's hidden state on (accepts, residuals, bonus).
     A wrong residual rule (resampling from p after a rejection) fails this by far."""
     from specdeploy.runtime.generate import generate
 

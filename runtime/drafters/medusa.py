@@ -5,8 +5,9 @@ position that produced the root) and rank candidates for the next `heads` tokens
 head d-1 for depth d. As in FasterDecoding/Medusa, a node's token depends only on
 its depth and rank (per-depth candidates, independent of the parent), so filling
 the tree is one gather. The generator prefills prompt[:-1] and the root is the last
-prompt token, so the first step has no hidden state yet: it is a plain step, and
-its hidden state starts the drafting.
+prompt token, so the prefill's last row is the position that produced the root: its
+hidden state drafts the first step (a one-token prompt has no prefill, and its
+first step is a plain one).
 
 Drafts are deterministic top-k candidates: greedy verification is exact and
 sampling stays lossless through the verifier's deterministic-draft rule.
@@ -117,8 +118,9 @@ class MedusaDrafter(Drafter):
         self.node_rank = np.asarray(self.tree.ranks[1:], dtype=np.int64)
         self.hidden: np.ndarray | None = None
 
-    def start(self, state: DecodeState) -> None:
-        self.hidden = None
+    def prefilled(self, target_out) -> None:
+        # The last chunk's last row (prompt[-2]) produced the root; a drafter lives one request.
+        self.hidden = np.array(target_out.hidden[-1], dtype=np.float32)
 
     def propose(self, state: DecodeState) -> Proposal:
         root = state.tokens[-1]
