@@ -38,7 +38,7 @@ from .workers import Worker, WorkerFailed
 
 SYSTEMS = ("specdeploy", "hf", "optimum", "ortgenai", "llamacpp", "llamacpp-q4_1")
 ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "eagle+suffix",
-               "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup")
+               "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup", "lookahead+suffix")
 PEERS = SYSTEMS[1:]
 # Which of our methods each peer has an equivalent of; the others are reported as skipped.
 PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",),

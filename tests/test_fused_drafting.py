@@ -1,5 +1,5 @@
-"""Fused drafting on the micro export with EAGLE and Medusa heads: every fused method prints
-plain greedy decoding's tokens (and HF's) and `ar`'s tokens for a seed, verifies trees within
+"""Fused drafting on the micro export with EAGLE and Medusa heads (lookahead's window needs none):
+every fused method prints plain greedy decoding's tokens (and HF's) and `ar`'s tokens for a seed, verifies trees within
 its node budget in which a candidate both parts propose is one node, and its drafts are used,
 also where the model part sat steps out (lazy) and caught up.
 The merge itself on hand-built trees: tests/unit/test_fused_tree.py."""
@@ -82,7 +82,7 @@ def test_greedy_equals_ar_and_hf_within_the_budget(micro_heads, micro_family, me
             assert ours.token_ids == ar.token_ids, (method, prompt, lazy)
             accepted += ours.stats["accepted_drafts"]
             for p, parts in zip(watched.proposals, watched.parts):
-                assert p.tree.size <= budget + 1 == config.verify_tokens
+                assert p.size <= budget + 1 == config.verify_tokens  # window rows (lookahead) included
                 merged = _paths(p)
                 assert len(merged) == p.tree.size - 1  # no two nodes hold the same token path
                 assert merged <= _paths(parts[0]) | _paths(parts[1])
@@ -118,6 +118,9 @@ def test_cli_runs_a_fused_method_and_rejects_a_bad_setting(micro_heads):
     bad = run_cli("generate", root, "--prompt", "def f(x):", "--method", "eagle+suffix", "--param", "nodes=64")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "needs a target graph of 65 tokens" in bad.stderr
+    small = run_cli("generate", root, "--prompt", "def f(x):", "--method", "lookahead+suffix", "--param", "nodes=8")
+    assert small.returncode != 0 and "Traceback" not in small.stderr
+    assert "leaves no candidate beside the lookahead window's 8 rows" in small.stderr
 
 
 def test_the_service_serves_the_fused_methods(micro_heads):

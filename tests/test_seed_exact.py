@@ -26,7 +26,8 @@ CASES = [("draft", None), ("draft", {"k": 1}), ("draft", {"k": 3}),
          ("suffix", None),
          ("eagle", None), ("eagle", {"mode": "eagle1", "tree": "medusa_cpu_8"}),
          ("eagle", {"top_k": 3, "depth": 3, "total_tokens": 14}),
-         ("medusa", None), ("medusa", {"tree": "medusa_cpu_4"}), ("medusa", {"tree": ((0,), (0, 0), (0, 0, 0))})]
+         ("medusa", None), ("medusa", {"tree": "medusa_cpu_4"}), ("medusa", {"tree": ((0,), (0, 0), (0, 0, 0))}),
+         ("lookahead+suffix", None), ("lookahead+prompt-lookup", {"nodes": 10, "lazy": False})]
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,20 @@ to the whole budget); the fused drafter keeps each part's best nodes up to its s
 `nodes` and merges them into one trie under the root (a candidate both parts propose is
 one node, costing the budget once). What a part leaves unused goes to the other.
 
-The parts are a model part (EAGLE, Medusa: head calls every step it drafts) and a host part
-(suffix, prompt lookup: next to free). The host part proposes first; with `lazy`, the model
-part sits the step out when the host part proposed something and either measures more
-accepted drafts per step than the model part, or the tokens per second expected with the
-model's drafts, (1 + max(host, model)) / (step + model's drafting time), are no more than
-without, (1 + host) / step (both times measured in this request, running averages). On
-copied text the heads' calls buy little. A skipped EAGLE head catches up on the skipped
-steps' features the next time it drafts. Timing decides only which drafts are tried, never
-which tokens are emitted.
+The parts are a model part (EAGLE, Medusa: head calls every step it drafts; lookahead: its
+Jacobi window's rows in the verify call) and a host part (suffix, prompt lookup: next to
+free). The host part proposes first; with `lazy`, the model part sits the step out when the
+host part proposed something and either measures more accepted drafts per step than the
+model part, or the tokens per second expected with the model's drafts, (1 + max(host,
+model)) / (step + model's cost), are no more than without, (1 + host) / step (times
+measured in this request, running averages). The model's cost is its drafting time plus,
+for lookahead, its window rows at `ROW_COST` of a step each (the runtime's per-row cost,
+drafters/draft_length.py). On copied text the heads' calls buy little. A skipped EAGLE
+head catches up on the skipped steps' features the next time it drafts. Lookahead's window
+(auxiliary rows after the tree, runtime/drafters/lookahead.py) rides in the merged step,
+its rows taken from the node budget (verify T stays `nodes` + 1); a step it sits out runs
+no window (the whole budget goes to the host part), and its window then refills from fresh
+outputs. Timing decides only which drafts are tried, never which tokens are emitted.
 
 The shares follow each part's measured acceptance in this request: after every step the
 committed tokens are walked down each part's full proposal (the drafts it would have had
@@ -43,11 +48,16 @@ from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
+from .prompt_lookup import PromptLookupConfig
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
 _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}
 # Parts whose node order is already best-first (suffix: by empirical path probability).
-_BEST_FIRST = {"suffix", "prompt-lookup"}
+# (lookahead: its trie lists the prompt-lookup match, then the pool's newest n-grams)
+_BEST_FIRST = {"suffix", "prompt-lookup", "lookahead"}
+# A verify row's cost in steps: the runtime's measured per-row cost (SmolLM2 on 2 cores, T=4/9/15
+# 1.1/1.4/1.7x T=1), the one prompt lookup sizes its drafts with (drafters/draft_length.py).
+ROW_COST = PromptLookupConfig.row_cost
 
 
 @dataclass(frozen=True)
@@ -57,13 +67,14 @@ class FusedConfig:
     method: ClassVar[str]
     parts: ClassVar[tuple[str, str]]
 
-    # candidate nodes per step (verify T = nodes + 1 = 15: the graph prompt-lookup, lookahead and
-    # suffix already use, so every export has it)
+    # candidate nodes per step, lookahead's window rows included (verify T = nodes + 1 = 15: the graph
+    # prompt-lookup, lookahead and suffix already use, so every export has it)
     nodes: int = 14
     prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
     decay: float = 0.7  # weight of the past in each part's running acceptance (per step it proposes)
-    # the model part (EAGLE, Medusa) is not asked to draft in a step where the host part (suffix,
-    # prompt lookup) proposes and drafting with the model is not worth its time: its head calls are saved
+    # the model part (EAGLE, Medusa, lookahead) is not asked to draft in a step where the host part (suffix,
+    # prompt lookup) proposes and drafting with the model is not worth its time: its head calls (window rows)
+    # are saved
     lazy: bool = True
 
     def __post_init__(self):
@@ -106,7 +117,20 @@ class MedusaPromptLookupConfig(FusedConfig):
     parts: ClassVar[tuple[str, str]] = ("medusa", "prompt-lookup")
 
 
-CONFIGS = (EagleSuffixConfig, EaglePromptLookupConfig, MedusaSuffixConfig, MedusaPromptLookupConfig)
+@dataclass(frozen=True)
+class LookaheadSuffixConfig(FusedConfig):
+    method: ClassVar[str] = "lookahead+suffix"
+    parts: ClassVar[tuple[str, str]] = ("lookahead", "suffix")
+
+
+@dataclass(frozen=True)
+class LookaheadPromptLookupConfig(FusedConfig):
+    method: ClassVar[str] = "lookahead+prompt-lookup"
+    parts: ClassVar[tuple[str, str]] = ("lookahead", "prompt-lookup")
+
+
+CONFIGS = (EagleSuffixConfig, EaglePromptLookupConfig, MedusaSuffixConfig, MedusaPromptLookupConfig,
+           LookaheadSuffixConfig, LookaheadPromptLookupConfig)
 
 
 def part_config(export, part: str, nodes: int):
@@ -129,12 +153,36 @@ def part_configs(export, config: FusedConfig) -> dict:
 def build(export, config: FusedConfig) -> FusedDrafter:
     from ..methods import method_spec  # the registry imports this module
 
-    drafters = [method_spec(p).build(export, c) for p, c in part_configs(export, config).items()]
+    configs = part_configs(export, config)
+    drafters = [method_spec(p).build(export, c) for p, c in configs.items()]
+    window = window_rows(configs[config.parts[0]])
+    if window >= config.nodes:
+        raise SpecDeployError(f"method {config.method!r}: {config.method}.nodes ({config.nodes}) leaves no "
+                              f"candidate beside the lookahead window's {window} rows; raise nodes")
     for part, drafter in zip(config.parts, drafters):
         if not drafter.deterministic:
             raise SpecDeployError(f"method {config.method!r}: part {part!r} samples its drafts; only "
                                   "deterministic drafters can share a tree")
-    return FusedDrafter(config, drafters)
+    return FusedDrafter(config, drafters, window)
+
+
+def window_rows(config) -> int:
+    """Auxiliary rows a part's proposals add to the verify call (lookahead's window, less its root cell)."""
+    if getattr(config, "method", None) != "lookahead":
+        return 0
+    return (config.ngram - 1) * config.window - 1
+
+
+def with_aux(merged: Proposal, part: Proposal) -> Proposal:
+    """The merged tree with `part`'s auxiliary rows after it: they see the root and each other only."""
+    if part.aux_tokens is None:
+        return merged
+    own, size, aux = part.tree.size, merged.tree.size, len(part.aux_tokens)
+    assert part.aux_mask is not None and not part.aux_mask[:, 1:own].any()  # no aux row sees a candidate
+    mask = np.zeros((aux, size + aux), dtype=bool)
+    mask[:, 0] = part.aux_mask[:, 0]
+    mask[:, size:] = part.aux_mask[:, own:]
+    return Proposal(merged.tree, merged.tokens, None, part.aux_tokens, part.aux_positions, mask)
 
 
 def priority(tree: Tree, best_first: bool) -> list[int]:
@@ -214,8 +262,9 @@ def walked(tree: Tree, tokens: np.ndarray, committed: Sequence[int]) -> int:
 class FusedDrafter(Drafter):
     deterministic = True
 
-    def __init__(self, config: FusedConfig, parts: list[Drafter]):
+    def __init__(self, config: FusedConfig, parts: list[Drafter], window: int = 0):
         self.config, self.parts = config, parts
+        self.window = window  # the model part's auxiliary rows per step it drafts (lookahead's window)
         self.name = config.method
         self._best_first = [p in _BEST_FIRST for p in config.parts]
 
@@ -243,13 +292,14 @@ class FusedDrafter(Drafter):
             return False
         if self.model_s is None or self.step_s is None:
             return True  # not measured yet: draft, and measure
-        return (1 + max(host, model)) * self.step_s > (1 + host) * (self.step_s + self.model_s)
+        cost = self.model_s + self.window * ROW_COST * self.step_s
+        return (1 + max(host, model)) * self.step_s > (1 + host) * (self.step_s + cost)
 
-    def shares(self) -> list[int]:
-        """The budget split in proportion to each part's running acceptance."""
+    def shares(self, budget: int | None = None) -> list[int]:
+        """The budget (default: `nodes`) split in proportion to each part's running acceptance."""
         # a part measured at zero keeps a sliver, so both at zero split evenly
         weights = [a + 1e-3 for a in self.acceptance]
-        budget = self.config.nodes
+        budget = self.config.nodes if budget is None else budget
         first = min(budget, round(budget * weights[0] / sum(weights)))
         return [first, budget - first]
 
@@ -267,13 +317,15 @@ class FusedDrafter(Drafter):
             self.model_s = self._average(self.model_s, time.perf_counter() - t1)
         placed = [_Part(model_proposal, self._best_first[0]), _Part(host_proposal, self._best_first[1])]
         self.last = placed
-        merged = MergedTree(state.tokens[-1], self.config.nodes)
-        for part, share in zip(placed, self.shares()):
+        # the model part's window rows (lookahead) come out of the budget in a step it drafts
+        budget = self.config.nodes - (0 if model_proposal.aux_tokens is None else len(model_proposal.aux_tokens))
+        merged = MergedTree(state.tokens[-1], budget)
+        for part, share in zip(placed, self.shares(budget)):
             part.place(merged, share)
         # What one part leaves unused goes to the other: the better-measured first.
         for i in sorted(range(len(placed)), key=lambda i: -self.acceptance[i]):
-            placed[i].place(merged, self.config.nodes)
-        proposal = merged.proposal()
+            placed[i].place(merged, budget)
+        proposal = with_aux(merged.proposal(), model_proposal)
         self._proposed_at = time.perf_counter()
         return proposal
 

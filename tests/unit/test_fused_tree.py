@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from specdeploy.runtime.drafters.base import DecodeState, Drafter, Proposal
-from specdeploy.runtime.drafters.fused import EagleSuffixConfig, FusedDrafter, MergedTree, priority, walked
+from specdeploy.runtime.drafters.fused import (
+    EagleSuffixConfig,
+    FusedDrafter,
+    LookaheadSuffixConfig,
+    MergedTree,
+    priority,
+    walked,
+)
+from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.methods import method_spec
 from specdeploy.runtime.sampling import SamplingParams
@@ -141,6 +149,35 @@ def test_lazy_weighs_the_model_parts_drafting_time_against_what_it_buys():
     d.model_s = 0.6  # 3 per 1.6 s do not
     assert not d.model_worth_it() and paths(d.propose(state())) == {(80,)}
     assert fused(model, host, nodes=6, lazy=False).propose(state()).tree.size == 4  # never left out
+
+
+def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_budget():
+    la = LookaheadDrafter(window=3, ngram=4, guesses=2)  # 8 window rows beside the root cell
+    host = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [80 + i for i in range(10)])  # a 10-token copy
+    d = FusedDrafter(LookaheadSuffixConfig(nodes=14, lazy=False), [la, host], window=8)
+    s = DecodeState([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(), np.random.default_rng(0))
+    d.start(s)
+    alone = la.propose(s)
+    p = d.propose(s)
+    assert p.tree.size - 1 == 14 - 8 and p.size == 15  # 6 candidates + the window: the T=15 call
+    assert (8,) in paths(p) and (80,) in paths(p)  # both parts' candidates (lookahead's: 7 -> 8 copied)
+    assert np.array_equal(p.aux_tokens, alone.aux_tokens) and np.array_equal(p.aux_positions, alone.aux_positions)
+    tokens, positions, mask = p.packed(100)
+    s_ = p.tree.size
+    assert not mask[s_:, 1:s_].any() and mask[s_:, 0].all()  # window rows see the root, no candidate
+    assert np.array_equal(mask[s_:, s_:], alone.aux_mask[:, alone.tree.size:])
+    assert not mask[:s_, s_:].any()  # and no candidate sees the window
+    # a step lookahead sits out runs no window: the whole budget goes to the host part
+    lazy = FusedDrafter(LookaheadSuffixConfig(nodes=14), [la, host], window=8)
+    lazy.start(s)
+    lazy.acceptance = [0.1, 3.0]
+    q = lazy.propose(s)
+    assert q.aux_tokens is None and q.tree.size - 1 == 10
+    # the window's rows count as the model part's cost: 8 rows at 5% of a step each
+    lazy.acceptance, lazy.step_s, lazy.model_s = [2.0, 1.0], 1.0, 0.0
+    assert lazy.model_worth_it()  # 3 tokens per 1.4 steps beat 2 per 1
+    lazy.acceptance = [1.6, 1.0]
+    assert not lazy.model_worth_it()  # 2.6 per 1.4 do not
 
 
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
