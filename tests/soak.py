@@ -1,7 +1,7 @@
 """Soak test: a real `specdeploy serve` under mixed, partly hostile traffic for minutes.
 
-    python tests/soak.py [--export build/export/default] [--seconds 600] [--clients 16] [--json out.json]
-    make soak DURATION=600
+    python tests/soak.py [--export build/export/default] [--seconds 600] [--clients 16] [--batch N] [--json out.json]
+    make soak DURATION=600 [SOAK_ARGS="--batch 8"]
 
 N client threads (httpx, no retries) send requests back to back: chat and completions,
 streaming and not, greedy and sampled, every method the export offers; some disconnect
@@ -33,6 +33,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS, percentile  # noqa: E402
 from serve_util import ServerProcess  # noqa: E402
+
+from specdeploy.runtime.chat_template import ChatTemplate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_EXPORT = REPO / "build" / "export" / "default"
@@ -113,8 +115,9 @@ class Tally:
             self.problems.append(what[:300])
 
 
-def bad_requests(model: str, context: int) -> list[tuple[str, dict, int, str | None]]:
-    """(name, request kwargs for httpx, expected status, expected error code)."""
+def bad_requests(model: str, context: int, chat: bool = True) -> list[tuple[str, dict, int, str | None]]:
+    """(name, request kwargs for httpx, expected status, expected error code); `chat`: the export has a
+    chat template (without one every chat request is the same 400)."""
     ok = {"model": model, "prompt": "Hello", "max_tokens": 4}
     long_text = "the quick brown fox jumps over the lazy dog " * (context // 4)  # about 2.5x the context
     return [
@@ -123,9 +126,10 @@ def bad_requests(model: str, context: int) -> list[tuple[str, dict, int, str | N
         ("unknown model", {"json": {**ok, "model": "nope"}}, 404, "model_not_found"),
         ("prompt past the context", {"json": {**ok, "prompt": long_text}}, 400, "context_length_exceeded"),
         ("max_tokens past the context", {"json": {**ok, "max_tokens": context}}, 400, "context_length_exceeded"),
-        ("chat past the context", {"json": {"model": model, "messages": [{"role": "user", "content": long_text}]},
-                                   "path": "/v1/chat/completions"}, 400, "context_length_exceeded"),
-        ("no messages", {"json": {"model": model, "messages": []}, "path": "/v1/chat/completions"}, 400, None),
+        *([("chat past the context", {"json": {"model": model, "messages": [{"role": "user", "content": long_text}]},
+                                      "path": "/v1/chat/completions"}, 400, "context_length_exceeded"),
+           ("no messages", {"json": {"model": model, "messages": []}, "path": "/v1/chat/completions"}, 400, None)]
+          if chat else []),
         ("not JSON", {"content": b"prompt=hi", "headers": {"Content-Type": "text/plain"}}, 415,
          "unsupported_media_type"),
         ("malformed JSON", {"content": b'{"model": "x", "prompt": ', "headers": {"Content-Type": "application/json"}},
@@ -157,11 +161,12 @@ def _has_text(line: str) -> bool:
 
 class Client:
     def __init__(self, index: int, url: str, model: str, methods: list[str], context: int, tally: Tally,
-                 bad_fraction: float, disconnect_fraction: float):
+                 bad_fraction: float, disconnect_fraction: float, chat: bool = True):
         self.rng = random.Random(index)
         self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(300, connect=30))
         self.url, self.model, self.methods, self.tally = url, model, methods, tally
-        self.bad = bad_requests(model, context)
+        self.chat_share = 0.5 if chat else 0.0  # of good and disconnecting requests
+        self.bad = bad_requests(model, context, chat)
         self.bad_fraction, self.disconnect_fraction = bad_fraction, disconnect_fraction
 
     def run(self, deadline: float) -> None:
@@ -201,7 +206,7 @@ class Client:
         return body
 
     def send_good(self) -> None:
-        chat, stream = self.rng.random() < 0.5, self.rng.random() < 0.5
+        chat, stream = self.rng.random() < self.chat_share, self.rng.random() < 0.5
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body = self.good_body(chat, stream, self.rng.randint(4, 24))
         t0 = time.perf_counter()
@@ -247,7 +252,7 @@ class Client:
 
     def disconnect(self) -> None:
         """A client that goes away: mid-stream after a chunk or two, or before a non-streaming answer."""
-        chat = self.rng.random() < 0.5
+        chat = self.rng.random() < self.chat_share
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body = {**self.good_body(chat, True, 256), "ignore_eos": True}
         if self.rng.random() < 0.7:
@@ -382,12 +387,14 @@ def threads_flat(samples: list[dict]) -> bool:
 
 
 def soak(export: Path, seconds: float, clients: int, pool_size: int, interval: float, warmup_s: float | None,
-         settle_s: float = 11.0, bad_fraction: float = 0.12, disconnect_fraction: float = 0.08) -> dict:
+         settle_s: float = 11.0, bad_fraction: float = 0.12, disconnect_fraction: float = 0.08,
+         batch: int = 0) -> dict:
     """`settle_s`: how long the server idles before its last sample (its thread pool's idle threads end
-    after 10 s)."""
+    after 10 s). `batch`: serve with continuous batching (`serve --batch N`) instead of a pool."""
     warmup_s = min(120.0, seconds / 4) if warmup_s is None else warmup_s
+    mode = ["--batch", str(batch)] if batch else ["--pool-size", str(pool_size)]
     # Queue room for every client, and a queue timeout past any wait: a 429 or 504 would be a finding.
-    with ServerProcess(export, "--pool-size", str(pool_size), "--queue", str(2 * clients),
+    with ServerProcess(export, *mode, "--queue", str(2 * clients),
                        "--queue-timeout", "600", "--log-level", "error") as server:
         card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
         model, methods, context = card["id"], card["methods"], card["max_context"]
@@ -398,7 +405,8 @@ def soak(export: Path, seconds: float, clients: int, pool_size: int, interval: f
         sampler = Sampler(server, tally, interval, t0)
         sampler.sample()
         sampler.start()
-        pool = [Client(i, server.url, model, methods, context, tally, bad_fraction, disconnect_fraction)
+        chat = ChatTemplate.from_tokenizer_dir(export / "tokenizer") is not None
+        pool = [Client(i, server.url, model, methods, context, tally, bad_fraction, disconnect_fraction, chat)
                 for i in range(clients)]
         threads = [threading.Thread(target=c.run, args=(t0 + seconds,), daemon=True) for c in pool]
         for t in threads:
@@ -430,7 +438,8 @@ def soak(export: Path, seconds: float, clients: int, pool_size: int, interval: f
         "no traceback in the log": "Traceback" not in log,
     }
     return {
-        "export": str(export), "seconds": round(elapsed, 1), "clients": clients, "pool_size": pool_size,
+        "export": str(export), "seconds": round(elapsed, 1), "clients": clients,
+        **({"batch": batch} if batch else {"pool_size": pool_size}),
         "methods": methods, "warmup_s": warmup_s,
         "requests": sum(tally.kinds.values()), "kinds": dict(tally.kinds),
         "status": {str(k): v for k, v in sorted(tally.status.items())}, "classes": status_classes(tally.status),
@@ -451,11 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=600)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--pool-size", type=int, default=2)
+    p.add_argument("--batch", type=int, default=0, help="serve --batch N (continuous batching) instead of a pool")
     p.add_argument("--interval", type=float, default=10, help="seconds between samples")
     p.add_argument("--warmup", type=float, help="seconds before RSS must stay flat (default: a quarter, <= 120)")
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
-    report = soak(ensure_export(args.export), args.seconds, args.clients, args.pool_size, args.interval, args.warmup)
+    report = soak(ensure_export(args.export), args.seconds, args.clients, args.pool_size, args.interval, args.warmup,
+                  batch=args.batch)
     text = json.dumps(report, indent=2)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
