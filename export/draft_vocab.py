@@ -1,18 +1,21 @@
-"""A head's draft vocabulary: target token ids by frequency, written beside a trained head.
+"""A drafter's draft vocabulary: target token ids by frequency, written beside a trained head or draft.
 
-Medusa and EAGLE heads end in an LM head over the target's vocabulary; reading it
-is most of a head call's cost on a CPU. With `draft_vocab.json` (specdeploy's extra
-file; upstream loaders ignore it) an export can keep only the N most frequent
-tokens' rows (`medusa.draft_vocab`, `eagle.draft_vocab`). Only the candidates
-change: verification is the target's, so the output stays lossless.
+Medusa and EAGLE heads and the draft model end in an LM head over the target's
+vocabulary; reading it is most of a draft call's cost on a CPU. With
+`draft_vocab.json` (specdeploy's extra file; upstream loaders ignore it) an export
+can keep only the N most frequent tokens' rows (`medusa.draft_vocab`,
+`eagle.draft_vocab`, `draft.draft_vocab`). Only the candidates change: verification
+is the target's, so the output stays lossless.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..runtime.errors import SpecDeployError
 
@@ -26,7 +29,7 @@ def ids_by_frequency(seqs: torch.Tensor, vocab_size: int) -> list[int]:
 
 
 def write_draft_vocab(out_dir: Path, seqs: torch.Tensor, vocab_size: int) -> None:
-    """Token ids by frequency in the head's training text (mostly the target's own greedy output)."""
+    """Token ids by frequency in the drafter's training text (mostly the target's own greedy output)."""
     counts = torch.bincount(seqs.flatten(), minlength=vocab_size)
     seen = ids_by_frequency(seqs, vocab_size)
     data = {"about": "target token ids by frequency in the head's training text (most frequent first)",
@@ -50,3 +53,23 @@ def read_draft_vocab(head_dir: Path, size: int, vocab_size: int, what: str, prog
     if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab_size:
         raise SpecDeployError(f"{path}: token_ids must be distinct ids in [0, {vocab_size})")
     return ids[:size]
+
+
+def restrict_lm_head(causal_lm, token_ids: list[int]):
+    """A copy of an HF causal LM whose logits score only `token_ids` (column i: token_ids[i]): its LM
+    head an untied Linear of those rows. The embeddings (still the full vocabulary) are shared, not
+    copied; the config's vocab_size becomes the head's width (graph builders read it for the logits)."""
+    embed = causal_lm.get_input_embeddings().weight
+    lm = copy.deepcopy(causal_lm, memo={id(embed): embed})
+    old = causal_lm.get_output_embeddings()
+    rows = torch.as_tensor(token_ids, dtype=torch.int64)
+    head = nn.Linear(old.in_features, len(token_ids), bias=old.bias is not None, dtype=old.weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(old.weight[rows])
+        if old.bias is not None:
+            head.bias.copy_(old.bias[rows])
+    head.requires_grad_(False)
+    lm.set_output_embeddings(head)
+    lm.config.tie_word_embeddings = False
+    lm.config.vocab_size = len(token_ids)
+    return lm.eval()

@@ -6,8 +6,10 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..runtime.config import ExportConfig, load_export_config, to_dict
@@ -31,6 +33,7 @@ from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
 from .batched_graph import write_batched_target
 from .decoder_graph import DecoderGraph
+from .draft_vocab import read_draft_vocab, restrict_lm_head
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import DTYPES, check_same_vocab, load_causal_lm, read_hf_config
 from .method_export import MethodExport, load_export_step
@@ -39,6 +42,7 @@ from .out_dir import Staging, checked_out_dir
 from .quantize import QuantPlan, quantize_export
 from .reference import CHECK_DIR, decoder_feeds, save_reference, torch_reference
 
+DRAFT_VOCAB_IDS = "draft_vocab.npy"  # int64 [N]: the target id of each column of a restricted LM head's logits
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json")  # a chat template as transformers writes it
 
@@ -73,13 +77,23 @@ def special_tokens(target_dir: Path, cfg: dict) -> dict:
 
 
 class DecoderExporter:
-    """Exports one model's decoder at several static token counts, weights shared."""
+    """Exports one model's decoder at several static token counts, weights shared.
+
+    `vocab_subset`: the logits score only these token ids (a draft vocabulary: the LM head keeps
+    their rows; DRAFT_VOCAB_IDS maps the columns back, named in the model's record)."""
 
     def __init__(self, name: str, model, source: Path, out: Path, dtype: str, max_context: int, progress,
-                 feature_layers: tuple[int, ...] = (), fused: bool = True, batched_tokens: int | None = None):
+                 feature_layers: tuple[int, ...] = (), fused: bool = True, batched_tokens: int | None = None,
+                 vocab_subset: list[int] | None = None):
         self.name, self.out, self.progress = name, out, progress
-        self.model, self.feature_layers = model, tuple(feature_layers)
-        self.record = model_spec(name, model, source, self.feature_layers)
+        self.feature_layers = tuple(feature_layers)
+        self.record = model_spec(name, model, source, self.feature_layers)  # input ids: the full vocabulary
+        if vocab_subset is not None:
+            model = restrict_lm_head(model, vocab_subset)
+            np.save(out / DRAFT_VOCAB_IDS, np.asarray(vocab_subset, dtype=np.int64))
+            self.record = replace(self.record, extra={**self.record.extra, "draft_vocab_size": len(vocab_subset),
+                                                      "draft_vocab_file": DRAFT_VOCAB_IDS})
+        self.model = model
         self.wrapper = DecoderGraph(model, feature_layers).eval()
         self.dtype = DTYPES[dtype]
         self.max_context = max_context
@@ -247,7 +261,12 @@ def _write_export(out: Path, target: Path, draft: Path | None, dtype: str, cfg: 
     if draft is not None:
         progress(f"loading draft from {draft} ({dtype})")
         draft_model = load_causal_lm(Path(draft), dtype)
-        dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused)
+        subset = read_draft_vocab(Path(draft), methods["draft"].draft_vocab, draft_model.config.vocab_size, DRAFT,
+                                  progress)
+        dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused,
+                               vocab_subset=subset)
+        if subset is not None:
+            progress(f"  the draft drafts among the {len(subset)} most frequent tokens (draft_vocab.json)")
         models[DRAFT] = dexp.record
         for t in draft_token_counts(cfg):
             graphs.update(dexp.export(t))

@@ -140,7 +140,8 @@ def _check_graph_files(root: Path, graphs: dict[str, GraphRecord]) -> None:
             raise SpecDeployError(f"graph file missing: {path} (re-export it)")
 
 
-def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir: str) -> dict[str, str]:
+def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir: str,
+                      models: dict[str, ModelRecord]) -> dict[str, str]:
     """Every file the runtime opens, relative to root -> what refers to it; each kept inside root
     (a graph's external-data locations are read from its protobuf: runtime/onnx_external.py)."""
     refs = {}
@@ -152,6 +153,11 @@ def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir:
             inside(root, rel, f"{g.file}: external data location")
             refs.setdefault(os.path.normpath(rel), f"{g.file}'s external data")
     refs[os.path.normpath(Path(tokenizer_dir) / TOKENIZER_FILE)] = "the tokenizer"
+    for m in models.values():  # a draft vocabulary's id map (runtime/drafters/draft_model.py)
+        if "draft_vocab_file" in m.extra:
+            rel = m.extra["draft_vocab_file"]
+            inside(root, rel, f"manifest: models.{m.name}.draft_vocab_file")
+            refs[os.path.normpath(rel)] = f"models.{m.name}.draft_vocab_file"
     return refs
 
 
@@ -195,7 +201,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
         if verify_checksums and sha256_file(fpath) != digest:
             raise SpecDeployError(f"checksum mismatch for {fpath}: the file changed since export (re-export it)")
     listed = {os.path.normpath(rel) for rel in files}
-    for rel, what in _referenced_files(root, graphs, tokenizer_dir).items():
+    for rel, what in _referenced_files(root, graphs, tokenizer_dir, models).items():
         if rel not in listed:
             raise SpecDeployError(f"manifest: {rel} ({what}) is not in the files map, so its integrity cannot be "
                                   "checked (re-export it)")

@@ -17,6 +17,8 @@ its argmax, CE): the full vocabulary's logits, softmax and gradient were 4x the 
 of a step on a 49k-token target, and a feature that matches scores every token.
 The embeddings (and so the tied LM head) stay frozen: they are most of the
 parameters, the target's are already right, and their gradient is most of a step.
+Beside the draft, `draft_vocab.json` ranks the responses' tokens by frequency: an
+export with `draft.draft_vocab N` keeps only the first N rows of its LM head.
 
     python -m specdeploy.train.draft --target DIR --data RESPONSES --out DIR [--preset default]
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import shutil
 import sys
@@ -39,6 +42,7 @@ if "torch" not in sys.modules:
 import torch
 import torch.nn.functional as F
 
+from ..export.draft_vocab import DRAFT_VOCAB_FILE, write_draft_vocab
 from ..export.hf_loading import load_causal_lm
 from ..runtime.errors import SpecDeployError
 from .cli_finish import finish, say
@@ -197,10 +201,22 @@ def _save(draft, target_dir: Path, out: Path) -> None:
 
 
 def build_draft(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, progress: Progress = print) -> dict:
-    """Train (or reuse) a draft for the target from its responses in `data_dir`; returns train.json."""
-    return reuse_or_train(out_dir, spec, data_hash(data_dir), ["config.json", "model.safetensors"],
+    """Train (or reuse) a draft for the target from its responses in `data_dir`; returns train.json.
+    A reused draft trained before drafts had a draft vocabulary gets its draft_vocab.json (from the
+    same responses) instead of a retraining."""
+    meta = reuse_or_train(out_dir, spec, data_hash(data_dir), ["config.json", "model.safetensors"],
                           lambda: _distil(Path(target_dir), Path(data_dir), Path(out_dir), spec, progress),
                           progress, "[draft]")
+    if not (Path(out_dir) / DRAFT_VOCAB_FILE).is_file():
+        _write_vocab(Path(out_dir), load_split(Path(data_dir), "train"))
+        progress(f"[draft] wrote {Path(out_dir) / DRAFT_VOCAB_FILE} from the training responses")
+    return meta
+
+
+def _write_vocab(out: Path, train: Responses) -> None:
+    """draft_vocab.json: the tokens of the responses the draft was trained on, by frequency."""
+    vocab_size = json.loads((out / "config.json").read_text())["vocab_size"]
+    write_draft_vocab(out, response_tokens(train), vocab_size)
 
 
 def _distil(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, progress: Progress) -> dict:
@@ -220,7 +236,11 @@ def _distil(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, pr
     after = agreement(draft, heldout, labels["heldout"], spec.max_len)
     progress(f"[draft] held-out top-1 agreement on responses {after['top1_response']:.3f}")
     meta = run_meta(spec, run, t0, heldout=after)
-    write_result(out_dir, meta, lambda out: _save(draft, target_dir, out))
+    def save(out: Path) -> None:
+        _save(draft, target_dir, out)
+        _write_vocab(out, train)
+
+    write_result(out_dir, meta, save)
     progress(f"[draft] written to {out_dir} in {meta['seconds']:.1f}s")
     return meta
 

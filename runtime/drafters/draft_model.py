@@ -10,7 +10,7 @@ import numpy as np
 from ..config import positive_int
 from ..decoder import Decoder
 from ..errors import SpecDeployError
-from ..sampling import sample
+from ..sampling import race, sample
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
 
@@ -21,9 +21,14 @@ class DraftConfig:
 
     k: int = 8  # tokens the draft model proposes per step; measured on held-out prompts (not the
     #             bench's): k=8 +24-29% over k=4, k=14 only a few % more
+    # export: the draft's LM head keeps the N most frequent target tokens (draft_vocab.json beside
+    # the draft; 0: all). Only the candidates change: verification is the target's.
+    draft_vocab: int = 0
 
     def __post_init__(self):
         positive_int(self.k, "draft.k")
+        if self.draft_vocab != 0:
+            positive_int(self.draft_vocab, "draft.draft_vocab (0: the full vocabulary)")
 
     @property
     def verify_tokens(self) -> int:
@@ -33,7 +38,28 @@ class DraftConfig:
 def build(export, config: DraftConfig) -> DraftModelDrafter:
     if "draft" not in export.manifest.models:
         raise SpecDeployError("method 'draft' needs a draft model: export with --draft DIR")
-    return DraftModelDrafter(export.decoder("draft"), config.k, export.prefill_chunk)
+    ids = export.part("draft_vocab", lambda: draft_vocab_ids(export.manifest))
+    return DraftModelDrafter(export.decoder("draft"), config.k, export.prefill_chunk, ids,
+                             export.manifest.models["draft"].vocab_size)
+
+
+def draft_vocab_ids(manifest) -> np.ndarray | None:
+    """The target id of each column of the draft's logits (models.draft.draft_vocab_file, written
+    where the export restricted its LM head), or None: the columns are the vocabulary."""
+    record = manifest.models["draft"]
+    rel = record.extra.get("draft_vocab_file")
+    if rel is None:
+        return None
+    path = manifest.root / rel  # inside root and checksummed: load_manifest checked it
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise SpecDeployError(f"{path} is not a draft vocabulary (re-export it): {exc}") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != record.extra.get("draft_vocab_size") \
+            or len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= record.vocab_size:
+        raise SpecDeployError(f"{path}: expected draft_vocab_size distinct token ids in [0, {record.vocab_size}) "
+                              "(re-export it)")
+    return ids.astype(np.int64)
 
 
 class DraftModelDrafter(Drafter):
@@ -44,8 +70,12 @@ class DraftModelDrafter(Drafter):
     # (README: "Seed-exact sampling"). SamplingParams(sampling="seeded") still gives ar's tokens.
     default_sampling = "rejection"
 
-    def __init__(self, decoder: Decoder, k: int, prefill_chunk: int):
+    def __init__(self, decoder: Decoder, k: int, prefill_chunk: int, vocab_ids: np.ndarray | None = None,
+                 vocab_size: int = 0):
         self.decoder, self.k, self.chunk = decoder, k, prefill_chunk
+        # vocab_ids: the draft's logits score only these target ids (a draft vocabulary); its
+        # distributions are zero elsewhere, over the full `vocab_size`
+        self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
 
     def start(self, state: DecodeState) -> None:
         self.decoder.reset()
@@ -54,13 +84,19 @@ class DraftModelDrafter(Drafter):
         """The draft token for sequence index `index`. Seeded: race q with the target's noise for
         that index, so the draft agrees with the target's own draw as often as their distributions
         allow under this coupling. Rejection: draw from q and keep q for verification."""
+        ids = self.vocab_ids
         if state.params.greedy:
-            return int(np.argmax(logits))
+            best = int(np.argmax(logits))
+            return best if ids is None else int(ids[best])
         q = state.params.probs(logits)
         if state.noise is not None:
-            return state.noise.sample(q, index)
+            if ids is None:
+                return state.noise.sample(q, index)
+            # the race over the full vocabulary with q zero outside the draft vocabulary
+            return int(ids[race(q, state.noise.exponentials(index, self.vocab_size)[ids])])
         probs.append(q)
-        return sample(q, state.rng)
+        drawn = sample(q, state.rng)
+        return drawn if ids is None else int(ids[drawn])
 
     def propose(self, state: DecodeState) -> Proposal:
         # Invariant: the draft cache holds committed tokens; feed whatever it lacks (the root,
@@ -85,9 +121,13 @@ class DraftModelDrafter(Drafter):
             drafts.append(self._pick(out.logits[-1], state, first + i, probs))
         tokens = np.array([state.tokens[-1], *drafts], dtype=np.int64)
         draft_probs = None
-        if len(probs) > 1:  # rejection sampling
-            draft_probs = np.zeros((k + 1, len(probs[1])))
-            draft_probs[1:] = probs[1:]
+        if len(probs) > 1:  # rejection sampling: q over the full vocabulary (zero outside a draft vocabulary)
+            if self.vocab_ids is None:
+                draft_probs = np.zeros((k + 1, len(probs[1])))
+                draft_probs[1:] = probs[1:]
+            else:
+                draft_probs = np.zeros((k + 1, self.vocab_size))
+                draft_probs[1:, self.vocab_ids] = probs[1:]
         return Proposal(Tree.chain(k), tokens, draft_probs)
 
     def update(self, state, proposal, verdict, target_out) -> None:
