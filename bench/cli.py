@@ -11,7 +11,7 @@ from ..runtime.errors import SpecDeployError
 
 
 def add_parser(sub) -> None:
-    from .run import ALL_METHODS, PEERS
+    from .run import ALL_METHODS, PEERS, QUANTIZED_METHODS
 
     b = sub.add_parser("bench", help="benchmark the methods beside HF transformers, optimum, onnxruntime-genai "
                                      "and llama.cpp")
@@ -23,7 +23,16 @@ def add_parser(sub) -> None:
                    help="JSONL prompt file, one {\"prompt\": ...} per line (repeatable; the set is named after the "
                         "file); default: the shipped chat, code and grounded sets (code and grounded for a model "
                         "without a chat template)")
+    b.add_argument("--quantized", type=Path, action="append", default=[],
+                   help="an int8 or int4 export of the same model (`specdeploy export --weights int8|int4`), run "
+                        "as specdeploy-int8/-int4 beside llama.cpp's Q8_0/Q4_1 (repeatable; rows grouped by "
+                        "precision, tokens compared against the same precision's ar)")
+    b.add_argument("--quantized-methods", default=",".join(QUANTIZED_METHODS),
+                   help="comma list of the methods run on the --quantized exports")
     b.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each set")
+    b.add_argument("--warm-prompts", type=int, default=6,
+                   help="prompts per pass of a repeated-task (warm-cache) set, at least --num-prompts; each gets "
+                        "new tokens in proportion, so the set's tokens per pass stay num-prompts x max-new-tokens")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); tokens are compared only then")
     b.add_argument("--repeats", type=int, default=3)
@@ -52,7 +61,11 @@ def _list(text: str, allowed, what: str) -> list[str]:
 def _command(args) -> str:
     parts = ["specdeploy", "bench", str(args.out), "--methods", args.methods, "--peers", args.peers or "none",
              "--max-new-tokens", str(args.max_new_tokens), "--num-prompts", str(args.num_prompts),
-             "--repeats", str(args.repeats), "--threads", str(args.threads)]
+             "--warm-prompts", str(args.warm_prompts), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    for q in args.quantized:
+        parts += ["--quantized", str(q)]
+    if args.quantized:
+        parts += ["--quantized-methods", args.quantized_methods]
     if args.temperature:
         parts += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
     if args.ort_spinning != "default":
@@ -70,7 +83,7 @@ def cmd_bench(args) -> int:
     from . import peers, report
     from .run import ALL_METHODS, PEERS, BenchOptions, run_bench
 
-    for name in ("max_new_tokens", "repeats", "threads", "num_prompts"):
+    for name in ("max_new_tokens", "repeats", "threads", "num_prompts", "warm_prompts"):
         if getattr(args, name) < 1:
             raise SpecDeployError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
@@ -82,7 +95,10 @@ def cmd_bench(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
         threads=args.threads, seed=args.seed, peers_dir=args.peers_dir or peers.DEFAULT_PEERS_DIR,
         measure_bandwidth=not args.no_bandwidth, bandwidth_mib=args.bandwidth_mib, ort_spinning=args.ort_spinning,
-        command=_command(args))
+        command=_command(args), quantized=args.quantized,
+        quantized_methods=_list(args.quantized_methods, list(dict.fromkeys([*ALL_METHODS, *known_methods()])),
+                                "method"),
+        warm_prompts=args.warm_prompts)
     result = run_bench(opts)
     plot_path = report.plot(result, args.plot) if args.plot else None
     if args.json:
@@ -94,9 +110,12 @@ def cmd_bench(args) -> int:
     sys.stdout.write(report.markdown_table(result))
     limit = result["limit"]
     if limit.get("ceiling_tokens_per_s"):
-        fr = ", ".join(f"{k} {v:.0%}" for k, v in limit.get("ar_fraction", {}).items())
-        print(f"AR bandwidth ceiling: {limit['bandwidth_gbs']} GB/s / {limit['weight_bytes'] / 1e6:.1f} MB = "
-              f"{limit['ceiling_tokens_per_s']:.0f} tokens/s; our AR reaches {fr or '-'}")
+        for system, b in limit["systems"].items():
+            if not system.startswith("specdeploy"):
+                continue
+            fr = ", ".join(f"{k} {v:.0%}" for k, v in limit.get("ar_fraction", {}).get(system, {}).items())
+            print(f"{system} AR bandwidth ceiling: {limit['bandwidth_gbs']} GB/s / {b['bytes_per_pass'] / 1e6:.1f} MB "
+                  f"= {limit['bandwidth_gbs'] * 1e9 / b['bytes_per_pass']:.0f} tokens/s; its AR reaches {fr or '-'}")
         if "max_share" in limit:
             print(f"highest share of the bound: {limit['max_share']:.0%} ({limit['max_share_row']})"
                   + ("" if limit["holds"] else ": ABOVE 100%, the bound does not hold (bytes or bandwidth wrong)"))

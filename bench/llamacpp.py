@@ -7,8 +7,11 @@
   package, so llama.cpp multiplies the very numbers our graphs and the other peers hold; the
   tokenizer fields are copied from the GGUF the HF dir was converted from
   (export/gguf_import.py's source.json names it), so llama.cpp's vocabulary is its own;
-- the original quantized GGUF (SmolLM2's Q4_1), run as a separately labelled row: other
-  weights, so its tokens are expected to differ (its mismatches column says by how much).
+- the quantized rows beside our int8/int4 exports: `llamacpp-q8_0`, llama.cpp's own Q8_0
+  quantization of that F32 GGUF (`quantized_gguf`, llama.cpp's quantizer through the bindings),
+  and `llamacpp-q4_1`, the original Q4_1 GGUF SmolLM2 ships (the float32 weights are its
+  dequantization). Another quantization than ours, so their tokens are compared against our
+  same-precision `ar` and expected to differ (their mismatches column says by how much).
 
 The runner (bench/llamacpp_runner.py) is a subprocess in that venv, like onnxruntime-genai's.
 """
@@ -29,7 +32,16 @@ REQUIREMENT = "llama-cpp-python==0.3.36"
 CMAKE_ARGS = "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"
 RUNNER = Path(__file__).resolve().parent / "llamacpp_runner.py"
 MODELS = "llamacpp-models"
-SUPPORTED = ("llama",)  # model_type values write_gguf maps (Llama-architecture, no biases)
+SUPPORTED = ("llama",)
+# llama.cpp's quantization types we write from the F32 GGUF (the Q4_1 row runs the original file)
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+QUANTIZE_SCRIPT = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, sys.argv[3])
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""  # model_type values write_gguf maps (Llama-architecture, no biases)
 
 
 def python(peers_dir: str | Path) -> Path:
@@ -205,6 +217,33 @@ def gguf_files(target: str | Path, draft: str | Path | None, peers_dir: str | Pa
             (staged / "model.gguf").rename(final)
             staged.rmdir()
     return out
+
+
+def quantized_gguf(f32_gguf: str | Path, qtype: str, peers_dir: str | Path, build: bool = True,
+                   progress=print) -> Path:
+    """llama.cpp's `qtype` (q8_0) quantization of an F32 GGUF, next to it (cached; made by llama.cpp's
+    quantizer in the peer venv, so the file is what `llama-quantize` would write)."""
+    f32_gguf = Path(f32_gguf)
+    if qtype not in QUANT_FTYPES:
+        raise PeerUnavailable(f"no llama.cpp quantization {qtype!r} here (have: {', '.join(QUANT_FTYPES)})")
+    final = f32_gguf.with_name(f"model-{qtype}.gguf")
+    if final.is_file() or not build:
+        return final
+    if not f32_gguf.is_file():
+        raise PeerUnavailable(f"no F32 GGUF at {f32_gguf} to quantize")
+    progress(f"quantizing {f32_gguf} -> {final} (llama.cpp {qtype.upper()})")
+
+    def quantize(tmp: Path) -> None:
+        proc = subprocess.run([str(python(peers_dir)), "-c", QUANTIZE_SCRIPT, str(f32_gguf), str(tmp / "model.gguf"),
+                               QUANT_FTYPES[qtype]], capture_output=True, text=True, env=runner_env())
+        if proc.returncode != 0 or not (tmp / "model.gguf").is_file():
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            raise PeerUnavailable(f"llama.cpp could not quantize {f32_gguf} to {qtype} ({tail})")
+
+    staged = _atomic_build(final.parent / (final.name + ".d"), quantize)
+    (staged / "model.gguf").rename(final)
+    staged.rmdir()
+    return final
 
 
 def gguf_weight_bytes(path: str | Path) -> dict:

@@ -6,13 +6,15 @@ import os
 from pathlib import Path
 
 from .prompts import warm_cache
-from .run import ALL_METHODS, OTHER_WEIGHTS, SYSTEMS
+from .run import ALL_METHODS, OTHER_QUANTIZATION, SYSTEMS
 
-SYSTEM_NAMES = {"specdeploy": "specdeploy", "hf": "HF transformers", "optimum": "optimum ORT",
-                "ortgenai": "onnxruntime-genai", "llamacpp": "llama.cpp (same weights)",
-                "llamacpp-q4_1": "llama.cpp Q4_1 (other weights)"}
-COLORS = {"specdeploy": "#1f77b4", "hf": "#ff7f0e", "optimum": "#2ca02c", "ortgenai": "#d62728",
-          "llamacpp": "#9467bd", "llamacpp-q4_1": "#c5b0d5"}
+SYSTEM_NAMES = {"specdeploy": "specdeploy", "specdeploy-int8": "specdeploy int8", "specdeploy-int4": "specdeploy int4",
+                "hf": "HF transformers", "optimum": "optimum ORT", "ortgenai": "onnxruntime-genai",
+                "llamacpp": "llama.cpp (same weights)", "llamacpp-q8_0": "llama.cpp Q8_0",
+                "llamacpp-q4_1": "llama.cpp Q4_1 (the original GGUF)"}
+COLORS = {"specdeploy": "#1f77b4", "specdeploy-int8": "#6baed6", "specdeploy-int4": "#bdd7e7", "hf": "#ff7f0e",
+          "optimum": "#2ca02c", "ortgenai": "#d62728", "llamacpp": "#9467bd", "llamacpp-q8_0": "#b39ddb",
+          "llamacpp-q4_1": "#dadaeb"}
 
 
 def _f(value, fmt: str, missing: str = "-") -> str:
@@ -22,7 +24,7 @@ def _f(value, fmt: str, missing: str = "-") -> str:
 def _mismatch(r: dict) -> str:
     if r["mismatches"] is None:
         return "-"
-    return f"{r['mismatches']}/{r['prompts']}" + (" (other weights)" if r["system"] in OTHER_WEIGHTS else "")
+    return f"{r['mismatches']}/{r['prompts']}" + (" (other quantization)" if r["system"] in OTHER_QUANTIZATION else "")
 
 
 def _share(r: dict) -> str:
@@ -30,30 +32,43 @@ def _share(r: dict) -> str:
     return "-" if v is None else (f"{v:.0%}" if v <= 1.0 else f"**{v:.0%}**")
 
 
+def _precision(r: dict) -> str:
+    return r.get("precision") or "float32"  # results written before precision groups: all the export's
+
+
+def _precision_rank(precision: str) -> tuple:
+    """The export's float precision first, then int8, then int4."""
+    return (precision.startswith("int"), -int(precision[3:]) if precision[3:].isdigit() else 0)
+
+
 def _order(rows: list[dict]) -> list[dict]:
     def key(r):
         m = ALL_METHODS.index(r["method"]) if r["method"] in ALL_METHODS else len(ALL_METHODS)
-        return (m, SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else 9)
+        return (_precision_rank(_precision(r)), m, SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else 99)
 
     return sorted(rows, key=key)
 
 
 def markdown_table(result: dict) -> str:
-    """One table per prompt set; speedup is over the best AR of that set (any system on the same weights)."""
+    """One table per prompt set, rows grouped by weight precision; speedup is over the best AR of that
+    set at the row's precision (any system), `vs own AR` over the row's own system's AR."""
     out = []
     sets = list(dict.fromkeys(r["prompt_set"] for r in result["results"]))
     for set_name in sets:
         rows = _order([r for r in result["results"] if r["prompt_set"] == set_name])
         out.append(f"**{set_name}** prompts\n")
-        out.append("| system | method | tokens/s | ms/token | speedup vs best AR | acceptance length | efficiency "
-                   "| share of bound | new tokens | peak RSS MB | mismatches |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("| precision | system | method | tokens/s | ms/token | speedup vs best AR (same precision) "
+                   "| vs own AR | acceptance length | efficiency | share of bound | new tokens | peak RSS MB "
+                   "| mismatches |")
+        out.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            out.append(f"| {r['system']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} "
-                       f"| {_f(r.get('speedup'), '.2f')}x | {_f(r['acceptance_length'], '.2f')} "
+            out.append(f"| {_precision(r)} | {r['system']} | {r['method']} | {r['tokens_per_s']:.1f} "
+                       f"| {r['ms_per_token']:.2f} | {_f(r.get('speedup'), '.2f')}x "
+                       f"| {_f(r.get('speedup_vs_own_ar'), '.2f')}x | {_f(r['acceptance_length'], '.2f')} "
                        f"| {_f(r.get('efficiency'), '.2f')} | {_share(r)} | {r['new_tokens']} "
                        f"| {r['peak_rss_mb']:.0f} | {_mismatch(r)} |")
         out.append("")
+    out += precision_lines(result)
     if result.get("skipped"):
         out.append("Not run:\n")
         grouped: dict[tuple, list[str]] = {}
@@ -63,6 +78,24 @@ def markdown_table(result: dict) -> str:
             out.append(f"- {system} / {', '.join(methods)}: {reason}")
         out.append("")
     return "\n".join(out)
+
+
+def precision_lines(result: dict) -> list[str]:
+    """Plain decoding per precision against our float AR, and each quantized system's best method."""
+    rows = [r for r in result["results"] if r.get("ar_vs_float") is not None]
+    if not rows:
+        return []
+    out = ["**Quantized weights**: plain decoding against our float AR of the same prompt set, and each "
+           "quantized system's fastest method over its own AR\n",
+           "| prompt set | system | AR tokens/s | AR vs our float AR | AR share of bound | fastest method "
+           "| its speedup over the same precision's AR |", "|---|---|---:|---:|---:|---|---:|"]
+    for r in _order(rows):
+        mine = [x for x in result["results"] if x["prompt_set"] == r["prompt_set"] and x["system"] == r["system"]]
+        best = max(mine, key=lambda x: x["tokens_per_s"])
+        out.append(f"| {r['prompt_set']} | {r['system']} | {r['tokens_per_s']:.1f} | {r['ar_vs_float']:.2f}x "
+                   f"| {_share(r)} | {best['method']} | {_f(best.get('speedup_vs_own_ar'), '.2f')}x |")
+    out.append("")
+    return out
 
 
 def plot(result: dict, path: str | Path) -> Path:
@@ -94,7 +127,8 @@ def plot(result: dict, path: str | Path) -> Path:
                 if r.get("speedup") is not None:
                     ax.text(x, r["tokens_per_s"] + top * 0.01, f"{r['speedup']:.1f}x", ha="center", va="bottom",
                             fontsize=7, rotation=90)
-        best_ar = max((r["tokens_per_s"] for r in rows if r["method"] == "ar" and r["system"] not in OTHER_WEIGHTS),
+        dtype = result.get("limit", {}).get("dtype", "float32")
+        best_ar = max((r["tokens_per_s"] for r in rows if r["method"] == "ar" and _precision(r) == dtype),
                       default=None)
         if best_ar:
             ax.axhline(best_ar, color="grey", linestyle="--", linewidth=0.8)
@@ -117,7 +151,8 @@ def plot(result: dict, path: str | Path) -> Path:
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
     meta = result["meta"]
     fig.text(0.5, 0.01, f"{meta['max_new_tokens']} new tokens, {'greedy' if meta['greedy'] else 'sampled'}, "
-             f"{meta['threads']} threads each; bar label: speedup over the best AR on the same weights (dashed)",
+             f"{meta['threads']} threads each; bar label: speedup over the best AR of the same precision; "
+             "dashed: the best float AR",
              ha="center", fontsize=7, color="dimgrey")
     fig.tight_layout(rect=(0, 0.04, 1, 0.86))
     fig.savefig(path, dpi=80)
@@ -157,6 +192,26 @@ def targets(result: dict) -> list[tuple[str, str, bool | None]]:
             best = max(ours, key=ours.get)
             out.append((f"{set_name}: our best ({best}) >= 2.5x onnxruntime-genai ar", f"{ours[best] / g_ar:.2f}x",
                         ours[best] >= 2.5 * g_ar))
+        out += _quantized_targets(set_name, rows)
+    return out
+
+
+def _quantized_targets(set_name: str, rows: dict) -> list[tuple[str, str, bool | None]]:
+    """Issue 14/15's quantized targets: int4 AR >= 3x float AR; each of our quantized rows at least
+    llama.cpp's same method at the same precision."""
+    out = []
+    float_ar = rows.get(("specdeploy", "ar"))
+    for system, peer, bits, want in (("specdeploy-int8", "llamacpp-q8_0", "int8", None),
+                                     ("specdeploy-int4", "llamacpp-q4_1", "int4", 3.0)):
+        ar = rows.get((system, "ar"))
+        if ar and float_ar and want:
+            out.append((f"{set_name}: our {bits} ar >= {want:.0f}x our float ar", f"{ar / float_ar:.2f}x",
+                        ar >= want * float_ar))
+        for (s, m), v in rows.items():
+            theirs = rows.get((peer, m))
+            if s == system and theirs:
+                out.append((f"{set_name}: our {bits} {m} >= llama.cpp {peer.split('-')[1].upper()} {m}",
+                            f"{v:.1f} vs {theirs:.1f} tok/s", v >= theirs))
     return out
 
 
@@ -182,11 +237,23 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               f"- model: the export at `{meta['export']}` ({_f(limit.get('target_params'), ',d')} target parameters, "
               f"{limit.get('dtype')}); every peer loads the same target (and draft) weights it was exported from: "
               "HF and optimum the HF dir, onnxruntime-genai its builder's conversion of it, llama.cpp a GGUF of it at "
-              "the same precision; `llamacpp-q4_1` is the original quantized GGUF, other weights",
+              "the same precision",
+              "- precisions: " + (", ".join(f"`{s}` runs `{q['export']}` (`specdeploy export --weights "
+                                           f"int{q['scheme']['models']['target']['bits']}`: MatMulNBits, block "
+                                           f"{q['scheme']['models']['target']['block_size']}, LM head "
+                                           f"{q['scheme']['models']['target']['lm_head_bits']}-bit)"
+                                           for s, q in (meta.get("quantized") or {}).items()) or "no quantized export")
+              + "; beside them llama.cpp's `llamacpp-q8_0` (its Q8_0 quantization of the F32 GGUF) and "
+              "`llamacpp-q4_1` (the original Q4_1 GGUF the float weights were dequantized from). Each precision's "
+              "rows are compared against its own `ar` (a quantized target's greedy output is its own reference)",
               "- prompts: " + "; ".join(f"{k}: {v['prompts']} from `{_rel(v['file'], md_path)}` "
-                                        f"({min(v['prompt_tokens'])}-{max(v['prompt_tokens'])} tokens)"
+                                        f"({min(v['prompt_tokens'])}-{max(v['prompt_tokens'])} tokens"
+                                        + (f", {v['new_tokens']} new tokens each"
+                                           if v.get("new_tokens", meta["max_new_tokens"]) != meta["max_new_tokens"]
+                                           else "") + ")"
                                         for k, v in sets.items()),
-              f"- {meta['max_new_tokens']} new tokens per prompt, "
+              f"- {meta['max_new_tokens']} new tokens per prompt (a repeated-task set: more prompts per pass, at "
+              "fewer new tokens each, the same tokens per pass), "
               f"{'greedy' if meta['greedy'] else 'temperature ' + str(meta['temperature'])}, EOS ignored by every "
               "system, so all produce the same token counts; the same prompt token ids for every system",
               f"- {meta['threads']} threads for every system (ONNX Runtime intra-op threads / torch threads; "
@@ -201,8 +268,10 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               + (", ".join(meta.get("warm_cache_sets") or []) or "none run")
               + ") it stays warm within each pass over the set (emptied when a pass starts): later prompts are "
               "drafted from the earlier prompts' outputs, as an agent's stream of similar requests would be",
-              f"- mismatches: prompts whose greedy tokens differ from `{meta['reference']}`; speedup vs best AR: "
-              "over the fastest plain decoding on the same weights (the Q4_1 row is not the yardstick)",
+              "- mismatches: prompts whose greedy tokens differ from the same precision's reference ("
+              + ", ".join(f"{p}: `{ref}`" for p, ref in (meta.get("references") or {"": meta["reference"]}).items())
+              + "); speedup vs best AR: over the fastest plain decoding of the same precision (any system); "
+              "vs own AR: over the row's own system's plain decoding",
               "- share of bound: the row's target passes per second x bytes one pass reads, over the machine's "
               "read bandwidth (see below); no row can exceed 100%", ""]
     lines += ["## Results", "", markdown_table(result)]
@@ -221,7 +290,7 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
     genai = info.get("ortgenai", {}).get("onnxruntime_genai")
     attn = info.get("hf", {}).get("attn_implementation")
     ours = info.get("specdeploy", {})
-    lcpp = info.get("llamacpp") or info.get("llamacpp-q4_1") or {}
+    lcpp = next((info[s] for s in info if s.startswith("llamacpp")), {})
     lines += ["## Peers", "",
               f"- specdeploy: {ours.get('graphs', '?')} decoder graphs, ONNX Runtime thread pool "
               f"{ours.get('thread_pool', '?')} (one process-wide pool for all of a process's sessions, or one "
@@ -245,7 +314,9 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               "target's HF dir at the export's precision (bench/llamacpp.py `write_gguf`, tokenizer fields from the "
               "original GGUF), with its KV cache at the export's precision too (float32 here; the bindings' float16 "
               "default flipped a near-tied greedy token of one grounded prompt at position 8, checked); "
-              "`llamacpp-q4_1` the original Q4_1 GGUF with the bindings' float16 KV cache. `Llama.generate` with the "
+              "`llamacpp-q8_0` (llama.cpp's quantizer on that GGUF, `llama_model_quantize`) and `llamacpp-q4_1` (the "
+              "original Q4_1 GGUF) with the bindings' float16 KV cache, as llama.cpp runs them by default (our "
+              "quantized exports keep a float32 one). `Llama.generate` with the "
               "bindings' defaults otherwise (no flash attention), greedy, repeat penalty 1, "
               "n_threads = n_threads_batch = the thread count, a fresh KV cache per run (no prompt-prefix reuse "
               "between runs), EOS never stops it; "
@@ -289,7 +360,10 @@ def limit_lines(limit: dict) -> list[str]:
         if system == "specdeploy":
             how = ("our T=1 graph's initializers: the embedding gather one row, the LM head and the rest whole"
                    if b.get("gathered_bytes") else "our T=1 graph's initializers, each whole")
-        elif system in ("llamacpp", "llamacpp-q4_1"):
+        elif system.startswith("specdeploy-"):
+            how = (f"our {system[11:]} export's T={b.get('tokens')} fused graph: MatMulNBits blobs, scales and zero "
+                   "points whole, the quantized embedding gather's rows")
+        elif system.startswith("llamacpp"):
             how = f"the GGUF's tensors ({'tied: token_embd read whole, as the head' if b.get('tied') else 'untied'})"
         else:
             how = "the HF dir's safetensors (" + ("tied: embed_tokens read whole, as the head" if b.get("tied")
@@ -317,9 +391,9 @@ def limit_lines(limit: dict) -> list[str]:
             lines.append(f"**The bound does not hold**: {limit['max_share_row']} reaches {limit['max_share']:.0%} "
                          "of it, so the bytes counted per pass or the bandwidth is wrong; read no share as a "
                          "fraction of the machine's limit.")
-    fr = limit.get("ar_fraction") or {}
-    if fr:
-        lines.append("Our AR reaches " + ", ".join(f"{v:.0%} ({k})" for k, v in fr.items()) + " of it.")
+    for system, fr in (limit.get("ar_fraction") or {}).items():
+        if isinstance(fr, dict) and fr:
+            lines.append(f"{system}'s AR reaches " + ", ".join(f"{v:.0%} ({k})" for k, v in fr.items()) + " of it.")
     lines += ["", "Efficiency = (speedup over the same system's AR) / acceptance length: the share of the ideal "
               "speedup that survives drafting and verification overheads (1.0 = a verify call costs one AR step "
               "and drafting is free).", ""]

@@ -6,7 +6,9 @@ for every system and method alike (a speculative method gets more tokens per pas
 more passes per second). Bytes are counted as the step reads them:
 
 - every weight is read whole, once per pass (a pass of T tokens reads it once, not T times);
-- an embedding *gather* reads one row per token, not the table;
+  a quantized weight (MatMulNBits) is its packed blob plus its scales and zero points;
+- an embedding *gather* reads one row per token, not the table (a quantized embedding's
+  GatherBlockQuantized: one row of the blob, its scales and zero points);
 - a tied embedding is also the LM head, which reads it whole: counted once, as the head;
 - plus the KV cache the attention reads: every layer's keys and values up to the position.
 
@@ -27,6 +29,9 @@ import numpy as np
 ONNX_ITEMSIZE = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2,
                  17: 1, 18: 1, 19: 1, 20: 1}  # TensorProto data type -> bytes per element
 ONNX_4BIT = (21, 22, 23)  # UINT4, INT4, FLOAT4E2M1: two per byte
+# (op, input slot) pairs that read one row per token of an initializer: an embedding lookup
+GATHER_SLOTS = {("Gather", 0), ("GatherBlockQuantized", 0), ("GatherBlockQuantized", 2),
+                ("GatherBlockQuantized", 3)}
 SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                         "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -34,19 +39,30 @@ SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32"
 def onnx_weight_bytes(graph_path: str | Path, tokens: int = 1) -> dict:
     """Weight bytes one call of this graph reads, for `tokens` new tokens.
 
-    Each initializer is read whole, except one whose every use is the data input of a
-    Gather (an embedding lookup): that reads `tokens` rows. An initializer a Gather and
-    a MatMul share (a tied embedding) is read whole once, by the MatMul.
+    Each initializer is read whole, except one whose every use is the table of a Gather or
+    GatherBlockQuantized (an embedding lookup, its scales and zero points included): that reads
+    `tokens` rows. An initializer a gather and a MatMul/MatMulNBits share (a tied embedding) is
+    read whole once, by the MatMul. Identity nodes pass an initializer on: their consumers count
+    as its uses.
     """
     import onnx
 
     model = onnx.load(str(graph_path), load_external_data=False)
     uses: dict[str, list[tuple[str, int]]] = {}
+    alias: dict[str, str] = {}
+
+    def source(name: str) -> str:
+        while name in alias:
+            name = alias[name]
+        return name
 
     def walk(graph) -> None:
         for node in graph.node:
+            if node.op_type == "Identity":
+                alias[node.output[0]] = node.input[0]
+                continue
             for slot, name in enumerate(node.input):
-                uses.setdefault(name, []).append((node.op_type, slot))
+                uses.setdefault(source(name), []).append((node.op_type, slot))
             for attr in node.attribute:  # subgraphs (If/Loop/Scan) use outer initializers too
                 for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                     walk(sub)
@@ -59,7 +75,7 @@ def onnx_weight_bytes(graph_path: str | Path, tokens: int = 1) -> dict:
         use = uses.get(init.name, [])
         if not use:
             continue  # never read
-        if init.dims and all(op == "Gather" and slot == 0 for op, slot in use):
+        if init.dims and all(u in GATHER_SLOTS for u in use):
             rows = int(init.dims[0])
             read = min(size, tokens * (size // max(rows, 1)))
             gathered += read

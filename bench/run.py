@@ -14,6 +14,13 @@ Fairness rules (the README of the numbers, enforced here):
   each pass over the set, so a prompt is drafted from the set's earlier prompts' outputs in
   that pass, never from its own earlier runs.
 
+Precision groups: beside the export (float32), `--quantized DIR` adds our int8/int4 exports of
+the same model (`specdeploy export --weights int8|int4`) as systems `specdeploy-int8` and
+`specdeploy-int4`, next to llama.cpp's own quantizations (`llamacpp-q8_0`, `llamacpp-q4_1`).
+Each row's tokens are compared against our `ar` of the same precision (a quantized target's
+greedy output differs from float32's by design), and its speedup is over the best `ar` of the
+same precision.
+
 Each row's share of the roofline (bench/roofline.py): its target passes per second times
 the bytes one pass reads, over the machine's read bandwidth, measured before the workers
 start and again after they stop.
@@ -36,25 +43,33 @@ from . import peers as peerlib
 from .prompts import encode_items, has_chat_template, load_items, shipped_sets, warm_cache
 from .workers import Worker, WorkerFailed
 
-SYSTEMS = ("specdeploy", "hf", "optimum", "ortgenai", "llamacpp", "llamacpp-q4_1")
+# our quantized exports' systems, by the target's weight precision (manifest quantization bits)
+QUANTIZED = {"int8": "specdeploy-int8", "int4": "specdeploy-int4"}
+SYSTEMS = ("specdeploy", *QUANTIZED.values(), "hf", "optimum", "ortgenai", "llamacpp", "llamacpp-q8_0",
+           "llamacpp-q4_1")
 ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "eagle+suffix",
                "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup", "lookahead+suffix")
-PEERS = SYSTEMS[1:]
+PEERS = tuple(s for s in SYSTEMS if not s.startswith("specdeploy"))
+# Our methods run on the quantized exports by default: ar and the methods that lead on the real model.
+QUANTIZED_METHODS = ("ar", "prompt-lookup", "suffix", "medusa+suffix")
 # Which of our methods each peer has an equivalent of; the others are reported as skipped.
 PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",),
                 "ortgenai": ("ar", "draft", "prompt-lookup"),
-                "llamacpp": ("ar", "draft", "prompt-lookup"), "llamacpp-q4_1": ("ar",)}
+                "llamacpp": ("ar", "draft", "prompt-lookup"), "llamacpp-q8_0": ("ar", "prompt-lookup"),
+                "llamacpp-q4_1": ("ar", "prompt-lookup")}
 PEER_GAP = {
     "hf": "transformers has no {method} mode",
     "optimum": "ORTModelForCausalLM keeps legacy tuple past_key_values without crop(), which transformers' "
                "assisted / prompt-lookup generation needs; only plain decoding runs",
     "ortgenai": "onnxruntime-genai has no {method} mode",
     "llamacpp": "llama-cpp-python has no {method} mode",
-    "llamacpp-q4_1": "the original Q4_1 GGUF is other weights, run for llama.cpp's own quantized speed: plain "
-                     "decoding only",
+    "llamacpp-q8_0": "llama.cpp's quantized rows run plain decoding and prompt lookup only",
+    "llamacpp-q4_1": "llama.cpp's quantized rows run plain decoding and prompt lookup only",
 }
-LLAMACPP = ("llamacpp", "llamacpp-q4_1")
-OTHER_WEIGHTS = ("llamacpp-q4_1",)  # rows on other weights than the export's: tokens differ by design
+LLAMACPP = ("llamacpp", "llamacpp-q8_0", "llamacpp-q4_1")
+# llama.cpp's own quantizations, beside ours of the same precision: another scheme, so their greedy
+# tokens differ from our same-precision ar by design (the mismatches column says by how much)
+OTHER_QUANTIZATION = {"llamacpp-q8_0": "int8", "llamacpp-q4_1": "int4"}
 SETUP_TIMEOUT_S = 900.0  # first use may export the optimum model
 MIN_FREE_MIB = 2048  # memory (MemAvailable) that must be left before one more worker starts
 RUN_TIMEOUT_S = 600.0
@@ -83,42 +98,91 @@ class BenchOptions:
     # (and OMP_WAIT_POLICY=PASSIVE for torch); on a shared machine spinning pools fight for the cores.
     ort_spinning: str = "default"
     command: str = ""
+    quantized: list[Path] = field(default_factory=list)  # our int8/int4 exports of the same model
+    quantized_methods: list[str] = field(default_factory=lambda: list(QUANTIZED_METHODS))
+    warm_prompts: int = 6  # prompts per pass of a warm-cache (repeated-task) set, at least num_prompts
 
+
+def precision(system: str, dtype: str) -> str:
+    """The weight precision a system's row runs at: the export's dtype, or a quantized group's."""
+    ours = {v: k for k, v in QUANTIZED.items()}
+    return ours.get(system) or OTHER_QUANTIZATION.get(system) or dtype
+
+
+def quantized_exports(opts: BenchOptions, export) -> dict[str, object]:
+    """{system: LoadedExport} of --quantized exports: each an int8/int4 export of the same target,
+    with the same tokenizer (one set of prompt token ids for every system)."""
+    from ..runtime.loaded_export import LoadedExport
+
+    out: dict[str, object] = {}
+    tokenizer = export.manifest.raw.get("files", {}).get("tokenizer/tokenizer.json")
+    for path in opts.quantized:
+        q = LoadedExport(path, backend="ort-cpu")
+        bits = (((q.manifest.raw.get("quantization") or {}).get("models") or {}).get("target") or {}).get("bits")
+        system = QUANTIZED.get(f"int{bits}") if bits else None
+        if system is None:
+            raise SpecDeployError(f"--quantized {path}: its target is not quantized to int8 or int4 (make it with "
+                                  "`specdeploy export --weights int8|int4`)")
+        if system in out:
+            raise SpecDeployError(f"--quantized {path}: a second int{bits} export (one per precision)")
+        if q.manifest.raw.get("files", {}).get("tokenizer/tokenizer.json") != tokenizer:
+            raise SpecDeployError(f"--quantized {path}: its tokenizer is not {opts.export}'s; the prompt token ids "
+                                  "must be the same for every system")
+        out[system] = q
+    return out
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _prompt_sets(opts: BenchOptions, export) -> dict[str, list[list[int]]]:
-    limit = export.manifest.max_context
+def set_shape(set_name: str, opts: BenchOptions) -> tuple[int, int]:
+    """(prompts, new tokens per prompt) of a prompt set. A warm-cache set needs several prompts per pass
+    for its cache to hold earlier outputs: it takes at least --warm-prompts of them, at a share of
+    --max-new-tokens that keeps its new tokens per pass those of the other sets (its answers are short
+    records, so the tokens past them are the part it drops)."""
+    if not warm_cache(set_name) or opts.warm_prompts <= opts.num_prompts:
+        return opts.num_prompts, opts.max_new_tokens
+    return opts.warm_prompts, max(16, opts.max_new_tokens * opts.num_prompts // opts.warm_prompts)
+
+
+def _prompt_sets(opts: BenchOptions, export, quant: dict) -> dict[str, list[list[int]]]:
+    limit = min([export.manifest.max_context] + [q.manifest.max_context for q in quant.values()])
     out = {}
     for name, path in opts.prompt_files.items():
-        ids = encode_items(load_items(path)[: opts.num_prompts], export)
+        count, new_tokens = set_shape(name, opts)
+        ids = encode_items(load_items(path)[:count], export)
         for i, p in enumerate(ids):
-            if len(p) + opts.max_new_tokens > limit:
-                raise SpecDeployError(f"prompt {i} of {path} is {len(p)} tokens; with --max-new-tokens "
-                                      f"{opts.max_new_tokens} it exceeds the export's max context {limit}")
+            if len(p) + new_tokens > limit:
+                raise SpecDeployError(f"prompt {i} of {path} is {len(p)} tokens; with {new_tokens} new tokens "
+                                      f"it exceeds the export's max context {limit}")
         out[name] = ids
     return out
 
 
-def plan(opts: BenchOptions, export) -> tuple[list[tuple[str, str]], list[dict]]:
+def plan(opts: BenchOptions, export, quant: dict | None = None) -> tuple[list[tuple[str, str]], list[dict]]:
     """(system, method) rows to run, and the skipped ones with their reasons."""
     from ..runtime.methods import known_methods
 
     rows, skipped = [], []
-    exported = list(export.methods)
-    for method in opts.methods:
-        if method not in known_methods():
-            skipped.append({"system": "specdeploy", "method": method,
-                            "reason": f"this runtime has no method {method!r} yet (has: {', '.join(known_methods())})"})
-        elif method not in exported:
-            skipped.append({"system": "specdeploy", "method": method,
-                            "reason": f"not in this export's manifest (exported: {', '.join(exported)})"})
-        else:
-            rows.append(("specdeploy", method))
+    ours = [("specdeploy", export, opts.methods)]
+    ours += [(system, q, opts.quantized_methods) for system, q in sorted((quant or {}).items())]
+    for system, exp, methods in ours:
+        exported = list(exp.methods)
+        for method in methods:
+            if method not in known_methods():
+                skipped.append({"system": system, "method": method, "reason": f"this runtime has no method "
+                                f"{method!r} yet (has: {', '.join(known_methods())})"})
+            elif method not in exported:
+                skipped.append({"system": system, "method": method,
+                                "reason": f"not in this export's manifest (exported: {', '.join(exported)})"})
+            else:
+                rows.append((system, method))
+    # a quantized llama.cpp row runs beside our export of its precision (their row alone compares nothing)
+    precisions = {precision(s, export.manifest.dtype) for s, _ in rows}
     for peer in opts.peers:
         reason = peer_unavailable(peer, opts, export)
+        if reason is None and peer in OTHER_QUANTIZATION and OTHER_QUANTIZATION[peer] not in precisions:
+            reason = f"no {OTHER_QUANTIZATION[peer]} export of ours beside it (pass --quantized DIR)"
         for method in opts.methods:
             if method not in PEER_METHODS[peer]:
                 skipped.append({"system": peer, "method": method, "reason": PEER_GAP[peer].format(method=method)})
@@ -166,16 +230,18 @@ def never_token_id(export) -> int:
 
 
 def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_dirs: dict,
-                   ggufs: dict | None = None) -> dict:
+                   ggufs: dict | None = None, quant: dict | None = None) -> dict:
     from ..runtime.methods import default_config
 
-    config = export.methods.get(method)
+    own = (quant or {}).get(system)  # our quantized export: its own methods' settings
+    config = (own or export).methods.get(method)
     if config is None and system != "specdeploy":  # a peer of a method the export lacks: our defaults
         config = default_config(method)
     params = to_dict(config) if config is not None else {}
     setup = {"system": system, "method": method, "threads": opts.threads, "method_params": params,
              "ort_spinning": opts.ort_spinning,
-             "export": str(opts.export), "target": str(_source(export, "target")),
+             "export": str(own.manifest.root if own is not None else opts.export),
+             "target": str(_source(export, "target")),
              "draft": str(_source(export, "draft")), "peers_dir": str(opts.peers_dir),
              "vocab_size": export.manifest.models["target"].vocab_size,
              "pad_token_id": int(export.manifest.tokenizer.get("pad_token_id") or 0),
@@ -183,14 +249,15 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
     if system == "ortgenai":
         setup["model_dir"] = str(genai_dirs["speculative" if method == "draft" else "plain"])
     if system in LLAMACPP:
-        setup["gguf"] = str(ggufs["original" if system == "llamacpp-q4_1" else "target"])
-        # the same-weights row keeps its KV cache at the export's precision too; Q4_1 runs llama.cpp's default
+        setup["gguf"] = str(ggufs[{"llamacpp-q4_1": "original", "llamacpp-q8_0": "q8_0"}.get(system, "target")])
+        # the same-weights row keeps its KV cache at the export's precision too; the quantized rows run
+        # llama.cpp's default (float16)
         setup["kv_dtype"] = export.manifest.dtype if system == "llamacpp" else None
         setup["draft_gguf"] = str(ggufs["draft"]) if "draft" in ggufs else None
     return setup
 
 
-def _start_workers(rows, opts, export, skipped) -> list[Worker]:
+def _start_workers(rows, opts, export, skipped, quant: dict) -> list[Worker]:
     genai_dirs: dict = {}
     if any(s == "ortgenai" for s, _ in rows):
         try:
@@ -205,13 +272,16 @@ def _start_workers(rows, opts, export, skipped) -> list[Worker]:
         target, dtype = _source(export, "target"), export.manifest.dtype
         try:
             ggufs = llamacpp.gguf_files(target, None, opts.peers_dir, dtype, progress=_say)
+            if any(s == "llamacpp-q8_0" for s, _ in rows):
+                ggufs["q8_0"] = llamacpp.quantized_gguf(ggufs["target"], "q8_0", opts.peers_dir, progress=_say)
         except (SpecDeployError, OSError) as exc:
             for row in [r for r in rows if r[0] in LLAMACPP]:
                 skipped.append({"system": row[0], "method": row[1], "reason": str(exc)})
             rows = [r for r in rows if r[0] not in LLAMACPP]
         if ("llamacpp", "draft") in rows:
             try:
-                ggufs = llamacpp.gguf_files(target, _source(export, "draft"), opts.peers_dir, dtype, progress=_say)
+                ggufs.update(llamacpp.gguf_files(target, _source(export, "draft"), opts.peers_dir, dtype,
+                                                 progress=_say))
             except (SpecDeployError, OSError) as exc:
                 skipped.append({"system": "llamacpp", "method": "draft", "reason": str(exc)})
                 rows.remove(("llamacpp", "draft"))
@@ -227,7 +297,7 @@ def _start_workers(rows, opts, export, skipped) -> list[Worker]:
                                       f"loaded (floor {MIN_FREE_MIB} MiB); pass fewer --methods or --peers"})
             _say(f"  {system}/{method} not started: {free:.0f} MiB available")
             continue
-        w = Worker(system, method, _setup_message(system, method, opts, export, genai_dirs, ggufs),
+        w = Worker(system, method, _setup_message(system, method, opts, export, genai_dirs, ggufs, quant),
                    opts.work_dir / "logs" / f"{system}-{method}.log", opts.peers_dir)
         try:
             w.launch()
@@ -246,15 +316,16 @@ def run_bench(opts: BenchOptions) -> dict:
     export = LoadedExport(opts.export, backend="ort-cpu")  # manifest + tokenizer; no session is opened here
     if not opts.prompt_files:
         opts.prompt_files = shipped_sets(chat=has_chat_template(export))
-    sets = _prompt_sets(opts, export)
-    rows, skipped = plan(opts, export)
+    quant = quantized_exports(opts, export)
+    sets = _prompt_sets(opts, export, quant)
+    rows, skipped = plan(opts, export, quant)
     info = machine.describe()
     info["load_start"] = os.getloadavg()
     measurements = []
     if opts.measure_bandwidth:  # before any worker loads, so nothing of ours competes with it
         _say("measuring memory bandwidth ...")
         measurements += machine.measure_bandwidth(opts.bandwidth_mib)["raw"]
-    workers = _start_workers(rows, opts, export, skipped)
+    workers = _start_workers(rows, opts, export, skipped, quant)
     if not workers:
         raise SpecDeployError("no system could run: " + "; ".join(f"{s['system']}/{s['method']}: {s['reason']}"
                                                                    for s in skipped))
@@ -276,12 +347,12 @@ def run_bench(opts: BenchOptions) -> dict:
         _say("measuring memory bandwidth again ...")
         measurements += machine.measure_bandwidth(opts.bandwidth_mib)["raw"]
     bandwidth = machine.summarize_bandwidth(measurements) if measurements else None
-    return _aggregate(live, sets, samples, skipped, opts, export, info, bandwidth)
+    return _aggregate(live, sets, samples, skipped, opts, export, info, bandwidth, quant)
 
 
-def _request(ids: list[int], opts: BenchOptions, fresh_cache: bool = True) -> dict:
+def _request(ids: list[int], opts: BenchOptions, new_tokens: int, fresh_cache: bool = True) -> dict:
     """`fresh_cache`: the run starts with an empty cross-request cache (systems that have one)."""
-    return {"op": "run", "prompt_ids": ids, "max_new_tokens": opts.max_new_tokens,
+    return {"op": "run", "prompt_ids": ids, "max_new_tokens": new_tokens,
             "temperature": opts.temperature, "seed": opts.seed, "fresh_cache": fresh_cache}
 
 
@@ -290,7 +361,7 @@ def _warm_up(workers, sets, opts, failed) -> None:
     _say(f"warm-up: one generation per worker ({len(workers)} workers), not counted")
     for w in workers:
         try:
-            w.call(_request(first, opts), RUN_TIMEOUT_S)
+            w.call(_request(first, opts, opts.max_new_tokens), RUN_TIMEOUT_S)
         except WorkerFailed as exc:
             failed[w.label] = str(exc)
             _say(f"  {w.label} failed in warm-up: {exc}")
@@ -301,6 +372,7 @@ def _interleave(workers, sets, opts, samples, failed) -> None:
     done = 0
     for rep in range(opts.repeats):
         for set_name, prompts in sets.items():
+            new_tokens = set_shape(set_name, opts)[1]
             for i, ids in enumerate(prompts):
                 live = [w for w in workers if w.label not in failed]
                 shift = (rep + i) % max(1, len(live))
@@ -309,8 +381,8 @@ def _interleave(workers, sets, opts, samples, failed) -> None:
                 for w in order:
                     time.sleep(SETTLE_S)
                     try:
-                        reply = w.call(_request(ids, opts, fresh_cache=i == 0 or not warm_cache(set_name)),
-                                       RUN_TIMEOUT_S)
+                        reply = w.call(_request(ids, opts, new_tokens,
+                                                fresh_cache=i == 0 or not warm_cache(set_name)), RUN_TIMEOUT_S)
                     except WorkerFailed as exc:
                         failed[w.label] = str(exc)
                         w.kill()
@@ -324,15 +396,26 @@ def _interleave(workers, sets, opts, samples, failed) -> None:
                      + "  ".join(sorted(parts)) + "  tok/s")
 
 
-def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -> dict:
+def reference_labels(labels, dtype: str) -> dict[str, str]:
+    """Precision -> the row whose greedy tokens that precision's rows are compared against: our ar of
+    that precision, else the first system's ar (a quantized target's output is its own reference)."""
+    out: dict[str, str] = {}
+    for system in SYSTEMS:
+        if f"{system}/ar" in labels:
+            out.setdefault(precision(system, dtype), f"{system}/ar")
+    return out
+
+
+def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth, quant: dict | None = None) -> dict:
     greedy = opts.temperature == 0
-    labels = [w.label for w in workers]
-    ref_label = next((f"{s}/ar" for s in SYSTEMS if f"{s}/ar" in labels), None)
+    dtype = export.manifest.dtype
+    refs = reference_labels([w.label for w in workers], dtype) if greedy else {}
     results, per_prompt = [], []
     for set_name, prompts in sets.items():
-        reference = {i: samples[(set_name, ref_label, i)][0]["token_ids"] for i in range(len(prompts))} \
-            if ref_label and greedy else {}
         for w in workers:
+            ref_label = refs.get(precision(w.system, dtype))
+            reference = {i: samples[(set_name, ref_label, i)][0]["token_ids"] for i in range(len(prompts))} \
+                if ref_label else {}
             seconds, new_tokens, calls, mismatched, unstable = 0.0, 0, 0, [], 0
             calls_known = True
             for i in range(len(prompts)):
@@ -365,6 +448,7 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                 continue
             results.append({
                 "prompt_set": set_name, "system": w.system, "method": w.method,
+                "precision": precision(w.system, dtype), "reference": ref_label,
                 "tokens_per_s": new_tokens / seconds if seconds else 0.0,
                 "ms_per_token": 1000.0 * seconds / new_tokens,
                 "acceptance_length": (new_tokens / calls) if calls_known and calls else None,
@@ -375,42 +459,50 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth) -
                 "mismatch_detail": mismatched, "nondeterministic_prompts": unstable,
                 "info": w.info,
             })
-    limit = _limit(results, sets, opts, export, bandwidth)
+    limit = _limit(results, sets, opts, export, bandwidth, quant=quant)
     _derive(results, limit)
     return {
         "meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": opts.command,
                  "export": str(opts.export), "prompt_sets": {k: {"file": str(v), "prompts": len(sets[k]),
-                                                                 "prompt_tokens": [len(p) for p in sets[k]]}
+                                                                 "prompt_tokens": [len(p) for p in sets[k]],
+                                                                 "new_tokens": set_shape(k, opts)[1]}
                                                              for k, v in opts.prompt_files.items()},
                  "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature, "greedy": greedy,
                  "ignore_eos": True, "repeats": opts.repeats, "warmup": 1,
                  "statistic": "median run of the repeats per prompt",
                  "warm_cache_sets": [k for k in sets if warm_cache(k)],
-                 "threads": opts.threads, "ort_spinning": opts.ort_spinning, "reference": ref_label,
+                 "threads": opts.threads, "ort_spinning": opts.ort_spinning,
+                 "reference": refs.get(dtype), "references": refs,
+                 "quantized": {system: {"export": str(q.manifest.root), "scheme": q.manifest.raw.get("quantization")}
+                               for system, q in (quant or {}).items()},
                  "methods": {name: to_dict(config) for name, config in export.methods.items()},
                  "versions": _versions()},
         "machine": info, "limit": limit, "results": results, "skipped": skipped, "per_prompt": per_prompt,
     }
 
 
-def _target_graph(export) -> Path | None:
-    """The T=1 target graph our AR step runs: fused if exported, else portable."""
-    best = None
-    for name, spec in (export.manifest.raw.get("graphs") or {}).items():
-        if spec.get("model") == "target" and spec.get("tokens") == 1 and spec.get("kind", "decoder") == "decoder":
-            if best is None or spec.get("flavor") == "fused":
-                best = spec
-    return Path(export.manifest.root) / best["file"] if best else None
+def _target_graph(export) -> tuple[Path, int] | None:
+    """(graph, tokens) our AR step runs: the smallest fused target decoder if the export has fused
+    graphs (a quantized target's smallest is T=2: one token padded into two rows), else the
+    smallest portable one."""
+    specs = [spec for spec in (export.manifest.raw.get("graphs") or {}).values()
+             if spec.get("model") == "target" and spec.get("kind", "decoder") == "decoder"
+             and isinstance(spec.get("tokens"), int)]
+    if not specs:
+        return None
+    best = min(specs, key=lambda spec: (spec.get("flavor") != "fused", spec["tokens"]))
+    return Path(export.manifest.root) / best["file"], best["tokens"]
 
 
-def weight_bytes(export, results: list[dict] | None = None) -> dict:
+def weight_bytes(export, results: list[dict] | None = None, quant: dict | None = None) -> dict:
     """Weight bytes one target pass reads, per system that ran (see bench/roofline.py), and its KV item size."""
     ran = {r["system"]: r for r in results} if results is not None else None
     out = {}
-    graph = _target_graph(export)
     dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(export.manifest.dtype, 4)
-    if graph is not None and graph.is_file():
-        out["specdeploy"] = {**roofline.onnx_weight_bytes(graph), "kv_itemsize": dtype_bytes}
+    for system, exp in [("specdeploy", export), *sorted((quant or {}).items())]:
+        graph = _target_graph(exp)
+        if graph is not None and graph[0].is_file():
+            out[system] = {**roofline.onnx_weight_bytes(*graph), "kv_itemsize": dtype_bytes}
     src = _source(export, "target")
     if src is not None:
         hf = roofline.hf_weight_bytes(src)
@@ -426,11 +518,12 @@ def weight_bytes(export, results: list[dict] | None = None) -> dict:
     return {k: v for k, v in out.items() if ran is None or k in ran}
 
 
-def _limit(results, sets, opts, export, bandwidth, per_system: dict | None = None) -> dict:
+def _limit(results, sets, opts, export, bandwidth, per_system: dict | None = None, quant: dict | None = None) -> dict:
     """The roofline: bytes each system's target pass reads, the bandwidth, each row's share of it."""
     target = export.manifest.models.get("target")
     if per_system is None:
-        per_system = weight_bytes(export, results) if getattr(export.manifest, "root", None) and target else {}
+        per_system = weight_bytes(export, results, quant) if getattr(export.manifest, "root", None) and target \
+            else {}
     src = _source(export, "target") if target is not None else None
     out = {"dtype": export.manifest.dtype, "bandwidth": bandwidth, "systems": per_system,
            "target_params": machine.safetensors_param_count(src) if src else None,
@@ -440,7 +533,7 @@ def _limit(results, sets, opts, export, bandwidth, per_system: dict | None = Non
     gbs = out["bandwidth_gbs"] = bandwidth["read_gbs"]
     out["mean_context"] = {}
     for name, prompts in sets.items():  # the average position a pass attends over
-        out["mean_context"][name] = (sum(len(p) for p in prompts) / len(prompts) + opts.max_new_tokens / 2) \
+        out["mean_context"][name] = (sum(len(p) for p in prompts) / len(prompts) + set_shape(name, opts)[1] / 2) \
             if prompts else 0.0
     for r in results:
         sys_bytes = per_system.get(r["system"])
@@ -457,8 +550,10 @@ def _limit(results, sets, opts, export, bandwidth, per_system: dict | None = Non
     if ours:
         out["weight_bytes"] = ours["bytes_per_pass"]
         out["ceiling_tokens_per_s"] = gbs * 1e9 / ours["bytes_per_pass"]  # AR, weights only
-        out["ar_fraction"] = {r["prompt_set"]: r["roofline_share"] for r in results
-                              if r["system"] == "specdeploy" and r["method"] == "ar" and "roofline_share" in r}
+    out["ar_fraction"] = {}  # our AR's share of the bound, per precision's system and prompt set
+    for r in results:
+        if r["system"].startswith("specdeploy") and r["method"] == "ar" and "roofline_share" in r:
+            out["ar_fraction"].setdefault(r["system"], {})[r["prompt_set"]] = r["roofline_share"]
     shares = [(r["roofline_share"], f"{r['system']}/{r['method']} ({r['prompt_set']})") for r in results
               if "roofline_share" in r]
     if shares:
@@ -468,14 +563,21 @@ def _limit(results, sets, opts, export, bandwidth, per_system: dict | None = Non
 
 
 def _derive(results, limit) -> None:
-    """Speedups over the best AR of the prompt set and over the row's own system's AR; efficiency."""
+    """Speedups over the best AR of the prompt set at the row's precision and over the row's own
+    system's AR; quantized rows' AR over the float AR; efficiency."""
     for set_name in {r["prompt_set"] for r in results}:
         rows = [r for r in results if r["prompt_set"] == set_name]
         ars = {r["system"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
-        # the best AR on the same weights: the quantized Q4_1 row is other weights, never the yardstick
-        best_ar = max((v for k, v in ars.items() if k not in OTHER_WEIGHTS), default=None)
+        best_ar: dict[str, float] = {}  # precision -> its fastest plain decoding, any system
         for r in rows:
-            r["speedup"] = r["tokens_per_s"] / best_ar if best_ar else None
+            if r["method"] == "ar":
+                best_ar[r["precision"]] = max(best_ar.get(r["precision"], 0.0), r["tokens_per_s"])
+        float_ar = ars.get("specdeploy")
+        for r in rows:
+            best = best_ar.get(r["precision"])
+            r["speedup"] = r["tokens_per_s"] / best if best else None
+            if r["method"] == "ar" and float_ar and r["precision"] != limit.get("dtype"):
+                r["ar_vs_float"] = r["tokens_per_s"] / float_ar  # issue 14's target: int4 >= 3x float32
             own = ars.get(r["system"])
             r["speedup_vs_own_ar"] = r["tokens_per_s"] / own if own else None
             # the share of the ideal speedup (one target call per accepted token) that survives overheads

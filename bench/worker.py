@@ -151,7 +151,7 @@ class HFGenerate:
 
 def make_system(setup: dict):
     system = setup.get("system")
-    if system == "specdeploy":
+    if system in ("specdeploy", "specdeploy-int8", "specdeploy-int4"):  # the export its setup names
         return Specdeploy(setup)
     if system in ("hf", "optimum"):
         return HFGenerate(setup)

@@ -32,7 +32,7 @@ class Worker:
         if system == "ortgenai":
             self.argv = [str(peers.genai_python(peers_dir)), str(peers.RUNNER)]
             base = peers.genai_env()
-        elif system in ("llamacpp", "llamacpp-q4_1"):
+        elif system.startswith("llamacpp"):  # the same-weights row and the quantized ones
             self.argv = [str(llamacpp.python(peers_dir)), str(llamacpp.RUNNER)]
             base = llamacpp.runner_env()
         else:

@@ -50,7 +50,7 @@ def test_json_schema(bench):
     assert limit["bandwidth_gbs"] > 0 and limit["weight_bytes"] > 0
     assert limit["bandwidth"]["measurements"] == 2  # before the workers start and after they stop
     assert limit["ceiling_tokens_per_s"] == pytest.approx(limit["bandwidth_gbs"] * 1e9 / limit["weight_bytes"])
-    assert 0 < limit["ar_fraction"]["code"]
+    assert 0 < limit["ar_fraction"]["specdeploy"]["code"]
     assert set(limit["systems"]) == {"specdeploy", "hf"}  # only systems that ran
     for r in rows.values():  # every row's share of the bound: its passes/s x bytes per pass / bandwidth
         read_per_s = r["passes_per_s"] * r["bytes_per_pass"]
@@ -104,6 +104,45 @@ def test_mismatch_counting_is_real():
     assert rows["hf"]["mismatch_detail"] == [{"prompt": 0, "first_diff": 2, "tokens": 4}]
 
 
+def test_precision_groups_compare_each_row_with_its_own_precisions_ar():
+    """Quantized rows: tokens against our ar of the same precision (not float32's), speedup over the
+    best AR of that precision, and the quantized AR over our float AR."""
+    from specdeploy.bench import run
+
+    labels = ("specdeploy/ar", "specdeploy-int4/ar", "specdeploy-int4/suffix", "llamacpp-q4_1/ar")
+    workers = [SimpleNamespace(label=lb, system=lb.split("/")[0], method=lb.split("/")[1], peak_rss_mb=1.0, info={})
+               for lb in labels]
+    reply = lambda toks, s: {"token_ids": toks, "seconds": s, "target_calls": len(toks)}  # noqa: E731
+    samples = {("code", "specdeploy/ar", 0): [reply([5, 6, 7, 8], 0.4)],
+               ("code", "specdeploy-int4/ar", 0): [reply([5, 6, 9, 9], 0.2)],  # int4 differs from float32 ...
+               ("code", "specdeploy-int4/suffix", 0): [reply([5, 6, 9, 9], 0.1)],  # ... suffix equals int4's ar
+               ("code", "llamacpp-q4_1/ar", 0): [reply([5, 6, 9, 1], 0.25)]}
+    export = SimpleNamespace(manifest=SimpleNamespace(models={}, raw={}, dtype="float32"), methods={})
+    opts = run.BenchOptions(export="x", prompt_files={"code": "code.jsonl"})
+    res = run._aggregate(workers, {"code": [[1]]}, samples, [], opts, export, {}, None)
+    rows = {(r["system"], r["method"]): r for r in res["results"]}
+    assert res["meta"]["references"] == {"float32": "specdeploy/ar", "int4": "specdeploy-int4/ar"}
+    assert rows[("specdeploy-int4", "ar")]["precision"] == "int4" and rows[("specdeploy-int4", "ar")]["mismatches"] == 0
+    assert rows[("specdeploy-int4", "suffix")]["mismatches"] == 0
+    assert rows[("llamacpp-q4_1", "ar")]["mismatch_detail"] == [{"prompt": 0, "first_diff": 3, "tokens": 4}]
+    assert rows[("specdeploy-int4", "suffix")]["speedup"] == pytest.approx(2.0)  # over int4's best AR (ours)
+    assert rows[("specdeploy-int4", "ar")]["ar_vs_float"] == pytest.approx(2.0)
+    assert rows[("specdeploy", "ar")]["speedup"] == 1.0 and "ar_vs_float" not in rows[("specdeploy", "ar")]
+    from specdeploy.bench.report import markdown_table, targets
+
+    table = markdown_table(res)
+    assert "| int4 | specdeploy-int4 | suffix |" in table and "1/1 (other quantization)" in table
+    assert ("code: our int4 ar >= 3x our float ar", "2.00x", False) in targets(res)
+
+
+def test_repeated_set_gets_more_prompts_at_the_same_tokens_per_pass():
+    from specdeploy.bench import run
+
+    opts = run.BenchOptions(export="x", num_prompts=3, max_new_tokens=96, warm_prompts=6)
+    assert run.set_shape("repeated", opts) == (6, 48) and run.set_shape("code", opts) == (3, 96)
+    assert run.set_shape("repeated", run.BenchOptions(export="x", num_prompts=8, warm_prompts=6)) == (8, 128)
+
+
 def test_shipped_prompt_sets():
     from specdeploy.bench.prompts import load_items, load_prompts, shipped_sets
 
@@ -144,7 +183,7 @@ def test_a_fresh_suffix_cache_per_run_unless_the_set_keeps_it_warm(micro_export,
     try:
         ids = export.tokenizer.encode(PROMPT)
         opts = run.BenchOptions(export=micro_export, max_new_tokens=32)
-        calls = [w.call(run._request(ids, opts, fresh_cache=fresh), 120)["target_calls"]
+        calls = [w.call(run._request(ids, opts, opts.max_new_tokens, fresh_cache=fresh), 120)["target_calls"]
                  for fresh in (True, True, False)]
     finally:
         w.close()
@@ -265,6 +304,54 @@ def test_roofline_counts_a_tied_embedding_once(tmp_path):
         save_file(tensors, str(d / "model.safetensors"))
     assert roofline.hf_weight_bytes(tmp_path / "hf-tied")["bytes_per_pass"] == table + layer
     assert roofline.hf_weight_bytes(tmp_path / "hf-untied")["bytes_per_pass"] == row + layer + table
+
+
+def _quantized_lm(path, vocab: int, hidden: int, tied: bool, block: int = 32):
+    """A 4-bit LM as export/quantize.py writes one: GatherBlockQuantized embedding (through an Identity
+    when tied: the LM head's blob, scales and zero points), MatMulNBits layer and head."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def q4(name, n):  # MatMulNBits' B [N, K/block, block/2], scales [N, K/block], zero points [N, K/block/2]
+        k = hidden // block
+        return [numpy_helper.from_array(np.zeros((n, k, block // 2), np.uint8), f"{name}_Q4"),
+                numpy_helper.from_array(np.ones((n, k), np.float32), f"{name}_scales"),
+                numpy_helper.from_array(np.zeros((n, (k + 1) // 2), np.uint8), f"{name}_zero_points")]
+
+    def matmul(x, name, n, out):
+        return helper.make_node("MatMulNBits", [x, f"{name}_Q4", f"{name}_scales", f"{name}_zero_points"], [out],
+                                domain="com.microsoft", K=hidden, N=n, bits=4, block_size=block)
+
+    inits = q4("layer", hidden) + q4("head", vocab)
+    nodes = [matmul("x", "layer", hidden, "h"), matmul("h", "head", vocab, "logits")]
+    table = "embed"
+    if tied:
+        nodes.append(helper.make_node("Identity", ["head_Q4"], ["embed_Q4"]))
+        table = "head"
+    else:
+        inits += q4("embed", vocab)
+    nodes.append(helper.make_node("GatherBlockQuantized", ["embed_Q4", "ids", f"{table}_scales",
+                                                           f"{table}_zero_points"], ["x"], domain="com.microsoft",
+                                  bits=4, block_size=block, gather_axis=0, quantize_axis=1))
+    graph = helper.make_graph(nodes, "lm", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, vocab])], inits)
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+def test_roofline_counts_quantized_weights_blob_scales_and_zero_points(tmp_path):
+    """MatMulNBits: blob + scales + zero points, whole; a quantized embedding (GatherBlockQuantized): one
+    row of each per token; tied (the head's tensors through an Identity): read whole once, as the head."""
+    from specdeploy.bench import roofline
+
+    vocab, hidden = 1000, 64
+    per_row = hidden // 2 + (hidden // 32) * 4 + 1  # 4-bit blob + float32 scales + packed zero points
+    layer, head = hidden * per_row, vocab * per_row
+    tied = roofline.onnx_weight_bytes(_quantized_lm(tmp_path / "tied.onnx", vocab, hidden, tied=True))
+    untied = roofline.onnx_weight_bytes(_quantized_lm(tmp_path / "untied.onnx", vocab, hidden, tied=False), tokens=2)
+    assert tied["bytes_per_pass"] == layer + head and tied["gathered_bytes"] == 0
+    assert untied["bytes_per_pass"] == layer + head + 2 * per_row and untied["gathered_bytes"] == 2 * per_row
 
 
 def test_roofline_counts_gguf_tensors(tmp_path):
@@ -393,6 +480,83 @@ def test_llamacpp_worker_greedy_equals_hf(tmp_path):
         else:
             assert reply["target_calls"] < new  # the function repeats: lookup drafts get accepted
         assert w.info["llama_cpp_python"]
+
+
+@pytest.fixture(scope="module")
+def micro_int4(micro_family, tmp_path_factory):
+    """The micro target alone, its fused graphs quantized to int4 (no accuracy check: wiring only)."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.export.quantize import QuantPlan
+
+    out = tmp_path_factory.mktemp("quantized") / "int4"
+    return export_all(micro_family / "target", out, progress=lambda msg: None,
+                      quantize=QuantPlan.from_choices(32, target="int4"))
+
+
+def test_a_quantized_export_runs_as_its_precisions_system(micro_export, micro_int4, tmp_path):
+    """--quantized: the int4 export is planned as specdeploy-int4 (its own methods), its worker runs that
+    export (greedy tokens = its own ar in-process, not the float export's); llama.cpp's Q4_1 row is
+    planned only beside it; a float export passed as --quantized is refused with the reason."""
+    from specdeploy.bench import run
+    from specdeploy.bench.workers import Worker
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    float_export = LoadedExport(micro_export)
+    opts = run.BenchOptions(export=micro_export, methods=["ar"], peers=["llamacpp-q4_1"], quantized=[micro_int4],
+                            quantized_methods=["ar", "medusa"], threads=1)
+    quant = run.quantized_exports(opts, float_export)
+    assert list(quant) == ["specdeploy-int4"]
+    rows, skipped = run.plan(opts, float_export, quant)
+    assert ("specdeploy", "ar") in rows and ("specdeploy-int4", "ar") in rows
+    assert any(s["system"] == "specdeploy-int4" and s["method"] == "medusa" for s in skipped)  # not exported
+    q4_1 = run.plan(run.BenchOptions(export=micro_export, methods=["ar"], peers=["llamacpp-q4_1"]), float_export)
+    assert any(s["system"] == "llamacpp-q4_1" and "--quantized" in s["reason"] for s in q4_1[1])
+    with pytest.raises(SpecDeployError, match="not quantized"):
+        run.quantized_exports(run.BenchOptions(export=micro_export, quantized=[micro_export]), float_export)
+
+    ids = float_export.tokenizer.encode(PROMPT)
+    w = Worker("specdeploy-int4", "ar", run._setup_message("specdeploy-int4", "ar", opts, float_export, {}, {}, quant),
+               tmp_path / "int4.log", opts.peers_dir)
+    try:
+        w.launch()
+        w.ready(120)
+        reply = w.call(run._request(ids, opts, NEW), 120)
+    finally:
+        w.close()
+    want = generate(quant["specdeploy-int4"], ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
+    assert reply["token_ids"] == want and w.info["graphs"] == "fused"
+    per_system = run.weight_bytes(float_export, None, quant)  # the int4 graph's bytes: well under the float's
+    assert per_system["specdeploy-int4"]["bytes_per_pass"] < 0.4 * per_system["specdeploy"]["bytes_per_pass"]
+
+
+@pytest.mark.skipif(_llamacpp_ready() is not None, reason=str(_llamacpp_ready()))
+def test_llamacpp_q8_0_peer_quantizes_the_f32_gguf_and_runs(tmp_path):
+    """llamacpp-q8_0: llama.cpp's Q8_0 of the F32 GGUF (about 34/32 bytes a weight, not 4), run by the
+    llama.cpp worker with the bindings' default KV cache, one eval a token."""
+    from specdeploy.bench import llamacpp
+    from specdeploy.bench.peers import DEFAULT_PEERS_DIR
+    from specdeploy.bench.workers import Worker
+    from specdeploy.runtime.tokenizer import TextTokenizer
+
+    files = llamacpp.gguf_files(SMOLLM2_4L, None, DEFAULT_PEERS_DIR, "float32", progress=lambda m: None)
+    q8 = llamacpp.quantized_gguf(files["target"], "q8_0", DEFAULT_PEERS_DIR, progress=lambda m: None)
+    ratio = llamacpp.gguf_weight_bytes(q8)["bytes_per_token"] / llamacpp.gguf_weight_bytes(files["target"])[
+        "bytes_per_token"]
+    assert 0.25 < ratio < 0.3
+    ids = TextTokenizer(SMOLLM2_4L).encode("def fib(n):\n    if n < 2:\n        return n\n")
+    setup = {"system": "llamacpp-q8_0", "method": "ar", "threads": 2, "n_ctx": 256, "method_params": {},
+             "gguf": str(q8), "kv_dtype": None}
+    w = Worker("llamacpp-q8_0", "ar", setup, tmp_path / "q8.log", DEFAULT_PEERS_DIR)
+    try:
+        w.launch()
+        w.ready(120)
+        reply = w.call({"op": "run", "prompt_ids": ids, "max_new_tokens": NEW, "temperature": 0.0}, 120)
+    finally:
+        w.close()
+    assert len(reply["token_ids"]) == NEW and reply["target_calls"] == NEW
+    assert w.info["gguf"] == str(q8) and w.info["kv_dtype"] == "float16"
 
 
 def test_profile_reports_stage_times_and_hot_functions(micro_export):
