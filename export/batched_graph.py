@@ -15,42 +15,99 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+import onnx
 import torch
 
-from ..runtime.batching.graph import EXTRA_ROWS
+from ..runtime.batching.graph import EXTRA_ROWS, RUNS, SEGMENTS, run_kv_name
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (
     DECODER,
     FEATURES,
     FUSED_BATCHED,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    PAST_LENGTH,
+    POSITION_IDS,
     TARGET,
+    TREE_MASK,
     GraphRecord,
     batched_graph_name,
     decoder_io,
     graph_file,
+    is_past,
+    is_present,
+    present_of,
     weights_file,
 )
 from ..runtime.manifest import add_graph, load_manifest
 from .decoder_graph import DecoderGraph
-from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
+from .fused_graph import FUSED_DTYPES, build_fused_decoder, fused_feeds, fused_reference
 from .hf_loading import load_causal_lm
 from .onnx_writer import SharedWeights
-from .reference import CHECK_DIR, TorchReference, decoder_feeds, reference_paths, torch_reference
+from .reference import CHECK_DIR, TorchReference, decoder_feeds, reference_paths, save_reference, torch_reference
+
+
+def batched_reference_call(feeds: dict, ref: TorchReference, runs: int) -> tuple[dict, TorchReference]:
+    """The batched graph's reference call, from one batch-1 fused call of T tokens (its tree puts
+    parents before children, so every prefix of the call is a call of its own with the same
+    outputs): the decode part is the first token, run 0 the whole call, each further run the
+    first two tokens, each over its own copy of the buffers."""
+    t = feeds[INPUT_IDS].shape[1]
+    past = int(feeds[PAST_LENGTH][0])
+    lengths = [1, t] + [min(2, t)] * (runs - 1)  # the decode row's, then each run's
+    n = sum(lengths)
+    mask = np.zeros((n, n), bool)
+    segments, at = [], 0
+    for j in lengths:
+        mask[at:at + j, at:at + j] = feeds[TREE_MASK][0, :j, :j]
+        segments.append((at, at + j, past))
+        at += j
+    out = {INPUT_IDS: np.concatenate([feeds[INPUT_IDS][:, :j] for j in lengths], axis=1),
+           POSITION_IDS: np.concatenate([feeds[POSITION_IDS][:, :j] for j in lengths], axis=1),
+           TREE_MASK: mask, PAST_LENGTH: feeds[PAST_LENGTH].copy(), SEGMENTS: np.array(segments[1:], np.int64)}
+    kv = [n for n in feeds if is_past(n)]
+    for prefix, j in ((None, 1), *enumerate(lengths[1:])):
+        for name in kv:
+            out[name if prefix is None else run_kv_name(prefix, name)] = feeds[name].copy()
+
+    def outputs(fused: dict) -> dict:
+        got = {name: np.concatenate([fused[name][:, :j] for j in lengths], axis=1) for name in (LOGITS, HIDDEN)}
+        for prefix, j in ((None, 1), *enumerate(lengths[1:])):
+            for name in kv:  # the buffer with the first j new rows written
+                buf = feeds[name].astype(fused[present_of(name)].dtype)
+                buf[:, :, past:past + j] = fused[present_of(name)][:, :, past:past + j]
+                got[present_of(name) if prefix is None else run_kv_name(prefix, present_of(name))] = buf
+        return got
+
+    noise = {k: v for k, v in ref.noise_errors.items() if k != FEATURES}
+    noise.update({run_kv_name(r, k): v for r in range(runs) for k, v in noise.items() if is_present(k)})
+    return out, TorchReference(outputs(ref.reference), outputs(ref.torch), ref.dtype, noise)
 
 
 def write_batched_target(causal_lm, out: Path, max_context: int, ref_feeds: dict, ref_outputs: TorchReference,
                          tokens: int) -> GraphRecord:
-    """Write the batched target graph into `out` and its reference: one row of the batch-1
-    fused graph's call of `tokens` (`ref_feeds`/`ref_outputs`: the portable graph's). The
-    graph outputs logits and hidden states only (no EAGLE-3 features)."""
+    """Write the batched target graph into `out` and its reference (batched_reference_call of the
+    batch-1 fused graph's call of `tokens`; `ref_feeds`/`ref_outputs`: the portable graph's).
+    The graph outputs logits and hidden states only (no EAGLE-3 features)."""
     name = batched_graph_name(TARGET)
     # RoPE rows up to max_context inclusive: the slots' trash row (runtime/batching/kv_slots.py)
-    model = build_fused_decoder(causal_lm, tokens, max_context + EXTRA_ROWS, batched=True)
-    ref = TorchReference({k: v for k, v in ref_outputs.reference.items() if k != FEATURES},
-                         {k: v for k, v in ref_outputs.torch.items() if k != FEATURES}, ref_outputs.dtype,
-                         {k: v for k, v in ref_outputs.noise_errors.items() if k != FEATURES})
-    write_fused(model, out, name, SharedWeights(out, weights_file(TARGET, FUSED_BATCHED)), ref_feeds, ref, tokens)
+    model = build_fused_decoder(causal_lm, tokens, max_context + EXTRA_ROWS, batched=True, runs=RUNS)
+    path = out / graph_file(name)
+    SharedWeights(out, weights_file(TARGET, FUSED_BATCHED)).externalize(model, path)
+    onnx.save(model, str(path))
+    fused = fused_feeds(ref_feeds, tokens)
+    feeds, ref = batched_reference_call(fused, ref_outputs.map(lambda outs: fused_reference(fused, outs, tokens)),
+                                        RUNS)
+    save_reference(out, name, feeds, ref)
     return GraphRecord.new(name, TARGET, DECODER, 1, flavor=FUSED_BATCHED)  # T is dynamic: 1 is the decode step
+
+
+def is_current(path: Path) -> bool:
+    """Whether the batched graph at `path` is this specdeploy's (runs of several tokens per call)."""
+    graph = onnx.load(str(path), load_external_data=False)
+    return any(i.name == SEGMENTS for i in graph.graph.input)
 
 
 def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:
@@ -59,7 +116,7 @@ def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:
     (its files' checksums added; the manifest replaced atomically). Returns the graph's path."""
     manifest = load_manifest(export_dir)  # checksums verified: the record joins an intact export
     existing = manifest.batched_graph()
-    if existing is not None:
+    if existing is not None and is_current(manifest.graph_path(existing)):
         return manifest.graph_path(existing)
     if manifest.dtype not in FUSED_DTYPES:
         raise SpecDeployError(f"the batched graph is {', '.join(FUSED_DTYPES)} only (this export is {manifest.dtype})")

@@ -36,6 +36,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ..runtime.batching.graph import RUNS, SEGMENTS, batched_io, run_kv_name
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (
     FEATURES,
@@ -61,7 +62,7 @@ from ..runtime.graph_contract import (
 )
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-BATCH_DIM = "batch"  # batched graphs (build_fused_decoder(batched=True)): rows of one call
+BATCH_DIM = "batch"  # the batched graph's decode rows (build_fused_decoder(batched=True))
 FUSED_DTYPES = ("float32",)  # ORT's CPU kernels for these contrib ops are fastest (and tested) in fp32
 
 
@@ -72,11 +73,11 @@ def float32_array(t: torch.Tensor) -> np.ndarray:
 class GraphBuilder:
     """Nodes and initializers of one fused graph, with the blocks every Llama-family graph shares."""
 
-    def __init__(self, wide_mask: bool = False, batched: bool = False):
-        self.batched = batched  # a dynamic batch dimension, each row with its own past length
+    def __init__(self, wide_mask: bool = False):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.presents: list[tuple[str, str]] = []  # (graph output name, tensor)
+        self.kv_shapes: dict[str, list] = {}  # KV inputs/outputs not shaped [1, kv_heads, "cache_len", D]
         self.wide_mask = wide_mask  # tree_mask has columns beyond the T new tokens (EAGLE head)
         self._n = 0
         self._named: dict[str, np.ndarray | None] = {}  # small constants kept to compare (weights are not)
@@ -144,9 +145,6 @@ class GraphBuilder:
         (past32,) = self.op("Cast", [PAST_LENGTH], to=TensorProto.INT32)
         (seqlens_k,) = self.op("Add", [past32, t_minus_1])
         (total1,) = self.op("Add", [past32, t_count])
-        if self.batched:  # GQA reads keys up to each row's seqlens_k; the bias spans the longest row
-            (total,) = self.op("ReduceMax", [total1], keepdims=0)
-            return seqlens_k, total, self.row_bias(tokens, total)
         (total,) = self.op("Squeeze", [total1])
         if t == 1 and not self.wide_mask:  # one new token, static: plain causal attention
             return seqlens_k, total, ""
@@ -167,66 +165,50 @@ class GraphBuilder:
         (bias,) = self.op("Concat", [zeros, masked], axis=3)
         return seqlens_k, total, bias
 
-    def row_bias(self, tokens: str, total: str) -> str:
-        """The additive bias [B, 1, T, total] of a batched call: row b sees every key before its
-        own past_length[b] and decides the next T keys by its tree_mask; keys past a row's own
-        end are ones GroupQueryAttention never reads for that row (seqlens_k)."""
-        (total64,) = self.op("Cast", [total], to=TensorProto.INT64)
-        (keys,) = self.op("Range", [self.init("zero_i64", np.array(0, np.int64)), total64,
-                                    self.init("one_i64", np.array(1, np.int64))])
-        (past_col,) = self.op("Unsqueeze", [PAST_LENGTH, self.init("axis1", np.array([1], np.int64))])
-        (rel,) = self.op("Sub", [keys, past_col])  # [B, total]: key index relative to the row's first new token
-        (last,) = self.op("Sub", [tokens, self.init("one_i64_1", np.array([1], np.int64))])
-        (col,) = self.op("Clip", [rel, self.init("zero_i64", np.array(0, np.int64)), self.op("Squeeze", [last])[0]])
-        minf = np.finfo(np.float32).min
-        (masked,) = self.op("Where", [TREE_MASK, self.init("zero_f", np.array(0, np.float32)),
-                                      self.init("minf", np.array(minf, np.float32))])  # [B, T, T]
-        (col,) = self.op("Unsqueeze", [col, self.init("axis1", np.array([1], np.int64))])  # [B, 1, total]
-        (mask_shape,) = self.op("Shape", [TREE_MASK])
-        (rows_shape,) = self.op("Slice", [mask_shape, self.init("i0", np.array([0], np.int64)),
-                                          self.init("i2", np.array([2], np.int64))])
-        (index_shape,) = self.op("Concat", [rows_shape, self.op("Unsqueeze", [total64, self.init(
-            "axis0", np.array([0], np.int64))])[0]], axis=0)
-        (col,) = self.op("Expand", [col, index_shape])  # [B, T, total]
-        (tree,) = self.op("GatherElements", [masked, col], axis=2)
-        (cached,) = self.op("Less", [rel, self.init("zero_i64", np.array(0, np.int64))])
-        (cached,) = self.op("Unsqueeze", [cached, self.init("axis1", np.array([1], np.int64))])
-        (bias,) = self.op("Where", [cached, self.init("zero_f", np.array(0, np.float32)), tree])
-        (bias,) = self.op("Unsqueeze", [bias, self.init("axis1", np.array([1], np.int64))])
-        return bias
+    def qkv(self, x: str, attn, layer: int, shape: "AttentionShape") -> list[str]:
+        """GroupQueryAttention's q/k/v inputs: one MatMul (packed), or q, k, v apart when the
+        model normalizes q and k per head (Qwen3)."""
+        p, t = f"layers.{layer}", shape.t if shape.t is not None else -1  # -1: Reshape infers a dynamic T
+        heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        qkv = self.linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv")
+        if not hasattr(attn, "q_norm"):
+            return [qkv, "", ""]
+        # Qwen3: RMSNorm per head on q and k before RoPE
+        q, k, v = self.op("Split", [qkv, self.init(f"{p}.qkv_split",
+                          np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
+                          n_out=3, axis=2)
+        normed = []
+        for tag, x_, n_, mod in (("q", q, heads, attn.q_norm), ("k", k, kv_heads, attn.k_norm)):
+            heads_shape = np.array([1, t, n_, head_dim], np.int64)
+            (r,) = self.op("Reshape", [x_, self.init(f"{p}.{tag}_heads", heads_shape)])
+            gamma = self.init(f"{p}.{tag}_norm", float32_array(mod.weight))
+            (r,) = self.op("SimplifiedLayerNormalization", [r, gamma],
+                           epsilon=float(mod.variance_epsilon), axis=-1)
+            flat_shape = np.array([1, t, n_ * head_dim], np.int64)
+            (r,) = self.op("Reshape", [r, self.init(f"{p}.{tag}_flat", flat_shape)])
+            normed.append(r)
+        return [normed[0], normed[1], v]
+
+    def gqa(self, qkv: list[str], attn, shape: "AttentionShape", kv: tuple[str, str], lengths, rope,
+            positions: str) -> tuple[str, str, str]:
+        """One GroupQueryAttention node over the KV buffers `kv` (past key, past value names):
+        (context, present key, present value)."""
+        seqlens_k, total, bias = lengths
+        scale = float(getattr(attn, "scaling", shape.head_dim ** -0.5))
+        ctx, pk, pv = self.op(
+            "GroupQueryAttention", qkv + [*kv, seqlens_k, total, *rope, positions, bias],
+            n_out=3, domain="com.microsoft", num_heads=shape.heads, kv_num_heads=shape.kv_heads, scale=scale,
+            do_rotary=1, rotary_interleaved=0,
+        )
+        return ctx, pk, pv
 
     def attention(self, x: str, attn, layer: int, shape: "AttentionShape", lengths, rope) -> str:
         """q/k/v in one MatMul, GroupQueryAttention with the KV buffers of `layer`, o_proj."""
-        p, t = f"layers.{layer}", shape.t if shape.t is not None else -1  # -1: Reshape infers a dynamic T
-        batch = 0 if self.batched else 1  # 0: Reshape copies the input's batch dimension
-        heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
-        qkv = self.linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv")
-        gqa_in = [qkv, "", ""]
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before RoPE
-            q, k, v = self.op("Split", [qkv, self.init(f"{p}.qkv_split",
-                              np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
-                              n_out=3, axis=2)
-            normed = []
-            for tag, x_, n_, mod in (("q", q, heads, attn.q_norm), ("k", k, kv_heads, attn.k_norm)):
-                heads_shape = np.array([batch, t, n_, head_dim], np.int64)
-                (r,) = self.op("Reshape", [x_, self.init(f"{p}.{tag}_heads", heads_shape)])
-                gamma = self.init(f"{p}.{tag}_norm", float32_array(mod.weight))
-                (r,) = self.op("SimplifiedLayerNormalization", [r, gamma],
-                               epsilon=float(mod.variance_epsilon), axis=-1)
-                flat_shape = np.array([batch, t, n_ * head_dim], np.int64)
-                (r,) = self.op("Reshape", [r, self.init(f"{p}.{tag}_flat", flat_shape)])
-                normed.append(r)
-            gqa_in = [normed[0], normed[1], v]
-        seqlens_k, total, bias = lengths
-        scale = float(getattr(attn, "scaling", head_dim ** -0.5))
-        (ctx, pk, pv) = self.op(
-            "GroupQueryAttention",
-            gqa_in + [past_name(layer, KEY), past_name(layer, VALUE), seqlens_k, total, *rope, POSITION_IDS, bias],
-            n_out=3, domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=scale,
-            do_rotary=1, rotary_interleaved=0,
-        )
+        qkv = self.qkv(x, attn, layer, shape)
+        ctx, pk, pv = self.gqa(qkv, attn, shape, (past_name(layer, KEY), past_name(layer, VALUE)), lengths, rope,
+                               POSITION_IDS)
         self.presents += [(present_name(layer, KEY), pk), (present_name(layer, VALUE), pv)]
-        return self.linear(ctx, [attn.o_proj], f"{p}.o")
+        return self.linear(ctx, [attn.o_proj], f"layers.{layer}.o")
 
     def mlp(self, x: str, mlp, name: str) -> str:
         gate = self.linear(x, [mlp.gate_proj], f"{name}.gate")
@@ -243,14 +225,17 @@ class GraphBuilder:
 
     def model(self, name: str, inputs: list, outputs: list, kv_heads: int, head_dim: int,
               io: GraphIO) -> onnx.ModelProto:
-        """The graph with the KV buffers as inputs and (aliased) outputs; its I/O must be `io`."""
-        kv_shape = [BATCH_DIM if self.batched else 1, kv_heads, "cache_len", head_dim]
-        inputs = list(inputs) + [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape)
-                                 for n in io.inputs if is_past(n)]
+        """The graph with the KV buffers (the inputs of `io` not in `inputs`) as inputs and (aliased)
+        outputs; its I/O must be `io`."""
+        kv_shape = [1, kv_heads, "cache_len", head_dim]
+        given = {v.name for v in inputs}
+        inputs = list(inputs) + [helper.make_tensor_value_info(n, TensorProto.FLOAT, self.kv_shapes.get(n, kv_shape))
+                                 for n in io.inputs if n not in given]
         outputs = list(outputs)
         for out_name, src in self.presents:
             self.rename(src, out_name)
-            outputs.append(helper.make_tensor_value_info(out_name, TensorProto.FLOAT, kv_shape))
+            outputs.append(helper.make_tensor_value_info(out_name, TensorProto.FLOAT,
+                                                         self.kv_shapes.get(out_name, kv_shape)))
         built = GraphIO(tuple(v.name for v in inputs), tuple(v.name for v in outputs))
         if built != io:
             raise AssertionError(f"fused graph {name} has I/O {built}, the graph contract says {io}")
@@ -266,6 +251,83 @@ class AttentionShape:
         self.kv_heads, self.head_dim = geometry.num_kv_heads, geometry.head_dim
 
 
+class BatchPlan:
+    """The batched graph's attention (runtime/batching/graph.py lays out its calls): the decode
+    rows' one GroupQueryAttention (batch D, T = 1, each row its own past length) and one of
+    batch 1 per run of several tokens (its own past, tree and buffers: the batch-1 graph's
+    call for that row). Their lengths, positions and biases are computed once per call here;
+    each layer slices its q/k/v by them and concatenates the contexts back in token order."""
+
+    def __init__(self, b: GraphBuilder, runs: int):
+        self.b = b
+        self.zero = b.init("zero_1", np.array([0], np.int64))
+        self.axis1 = b.init("axis_1", np.array([1], np.int64))
+        (self.rows,) = b.op("Shape", [PAST_LENGTH])  # [1]: D
+        (pos,) = b.op("Slice", [POSITION_IDS, self.zero, self.rows, self.axis1])
+        (self.decode_positions,) = b.op("Reshape", [pos, b.init("rows_by_1", np.array([-1, 1], np.int64))])
+        (past32,) = b.op("Cast", [PAST_LENGTH], to=TensorProto.INT32)
+        (total1,) = b.op("Add", [past32, b.init("one_i32", np.array([1], np.int32))])
+        (total,) = b.op("ReduceMax", [total1], keepdims=0)  # GQA reads keys up to each row's own seqlens_k
+        (total64,) = b.op("Cast", [total], to=TensorProto.INT64)
+        (total64,) = b.op("Unsqueeze", [total64, b.init("axis_0", np.array([0], np.int64))])
+        (shape,) = b.op("Concat", [self.rows, b.init("ones_2", np.array([1, 1], np.int64)), total64], axis=0)
+        (bias,) = b.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        self.decode = (past32, total, bias)  # seqlens_k: the past (the one new token is the last key)
+        self.runs = [self._run(r) for r in range(runs)]
+
+    def _run(self, r: int) -> tuple:
+        """(first token, end, positions, GQA lengths) of run r: the batch-1 graph's lengths and
+        bias (attention_lengths) for its T tokens and past."""
+        b = self.b
+        (row,) = b.op("Gather", [SEGMENTS, b.init(f"run{r}", np.array([r], np.int64))], axis=0)
+        (row,) = b.op("Squeeze", [row, b.init("axis_0", np.array([0], np.int64))])  # [3]
+        start, end, past = (b.op("Slice", [row, b.init(f"i{i}", np.array([i], np.int64)),
+                                           b.init(f"i{i + 1}", np.array([i + 1], np.int64))])[0] for i in range(3))
+        (positions,) = b.op("Slice", [POSITION_IDS, start, end, self.axis1])
+        (tokens,) = b.op("Sub", [end, start])
+        (lo,) = b.op("Concat", [start, start], axis=0)
+        (hi,) = b.op("Concat", [end, end], axis=0)
+        (mask,) = b.op("Slice", [TREE_MASK, lo, hi, b.init("axes_01", np.array([0, 1], np.int64))])
+        minf = np.finfo(np.float32).min
+        (masked,) = b.op("Where", [mask, b.init("zero_f", np.array(0, np.float32)),
+                                   b.init("minf", np.array(minf, np.float32))])
+        (masked,) = b.op("Unsqueeze", [masked, b.init("axes_01", np.array([0, 1], np.int64))])
+        (past32,) = b.op("Cast", [past], to=TensorProto.INT32)
+        (t32,) = b.op("Cast", [tokens], to=TensorProto.INT32)
+        (total1,) = b.op("Add", [past32, t32])
+        (seqlens_k,) = b.op("Sub", [total1, b.init("one_i32", np.array([1], np.int32))])
+        (total,) = b.op("Squeeze", [total1])
+        (shape,) = b.op("Concat", [b.init("ones_2", np.array([1, 1], np.int64)), tokens, past], axis=0)
+        (zeros,) = b.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        (bias,) = b.op("Concat", [zeros, masked], axis=3)
+        return start, end, positions, (seqlens_k, total, bias)
+
+    def attention(self, x: str, attn, layer: int, shape: AttentionShape, rope) -> str:
+        b = self.b
+        qkv = b.qkv(x, attn, layer, shape)
+        kv_names = (past_name(layer, KEY), past_name(layer, VALUE))
+        present_names_ = (present_name(layer, KEY), present_name(layer, VALUE))
+        rows_shape = b.init("rows_tokens", np.array([-1, 1, 0], np.int64))  # [1, D, C] -> [D, 1, C]
+        part = [b.op("Reshape", [b.op("Slice", [q, self.zero, self.rows, self.axis1])[0], rows_shape])[0] if q else ""
+                for q in qkv]
+        ctx, pk, pv = b.gqa(part, attn, shape, kv_names, self.decode, rope, self.decode_positions)
+        b.presents += [(present_names_[0], pk), (present_names_[1], pv)]
+        for name in (*kv_names, *present_names_):
+            b.kv_shapes[name] = [BATCH_DIM, shape.kv_heads, "cache_len", shape.head_dim]
+        (ctx,) = b.op("Reshape", [ctx, b.init("one_row", np.array([1, -1, 0], np.int64))])
+        contexts = [ctx]
+        for r, (start, end, positions, lengths) in enumerate(self.runs):
+            part = [b.op("Slice", [q, start, end, self.axis1])[0] if q else "" for q in qkv]
+            names = tuple(run_kv_name(r, n) for n in kv_names)
+            ctx, pk, pv = b.gqa(part, attn, shape, names, lengths, rope, positions)
+            b.presents += [(run_kv_name(r, present_names_[0]), pk), (run_kv_name(r, present_names_[1]), pv)]
+            for name in (*names, *(run_kv_name(r, n) for n in present_names_)):
+                b.kv_shapes[name] = [1, shape.kv_heads, f"run{r}_len", shape.head_dim]
+            contexts.append(ctx)
+        (ctx,) = b.op("Concat", contexts, axis=1)
+        return b.linear(ctx, [attn.o_proj], f"layers.{layer}.o")
+
+
 def check_silu(cfg) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -273,14 +335,15 @@ def check_silu(cfg) -> None:
 
 
 def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
-                        feature_layers: tuple[int, ...] = (), batched: bool = False) -> onnx.ModelProto:
+                        feature_layers: tuple[int, ...] = (), batched: bool = False,
+                        runs: int = RUNS) -> onnx.ModelProto:
     """The fused graph of an HF Llama-family causal LM, for the record of static T `tokens`.
 
     T is a dynamic dimension, so the graph (and its file) is the same for every `tokens`:
     the runtime opens it once per model. `tokens` only checks the call.
-    `batched`: a dynamic batch dimension too (BATCH_DIM): input_ids, position_ids [B, T],
-    tree_mask [B, T, T], past_length [B] (each row its own), KV buffers [B, kv_heads, S, D]
-    (runtime/batching). Row b of a batched call computes what the batch-1 graph does for it."""
+    `batched`: the graph of many rows in one call (runtime/batching/graph.py: decode rows, and
+    `runs` runs of several tokens, each row its own past, tree and KV buffers; BatchPlan). Every
+    row of a batched call computes what the batch-1 graph does for it."""
     if tokens < 1:
         raise ValueError(f"a decoder graph needs T >= 1, got {tokens}")
     cfg = causal_lm.config
@@ -289,10 +352,18 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     shape = AttentionShape(None, KVGeometry.from_config(cfg))
     eps = float(cfg.rms_norm_eps)
     t = TOKENS_DIM
-    rows: str | int = BATCH_DIM if batched else 1
-    b = GraphBuilder(batched=batched)
+    b = GraphBuilder()
     rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
-    lengths = b.attention_lengths()
+    if batched:
+        plan = BatchPlan(b, runs)
+
+        def attend(x: str, attn, layer: int) -> str:
+            return plan.attention(x, attn, layer, shape, rope)
+    else:
+        lengths = b.attention_lengths()
+
+        def attend(x: str, attn, layer: int) -> str:
+            return b.attention(x, attn, layer, shape, lengths, rope)
 
     (h,) = b.op("Gather", [b.init("embed.weight", float32_array(body.embed_tokens.weight)), INPUT_IDS])
     pending = None  # the last sub-block's output, not yet added to the residual stream h
@@ -313,7 +384,7 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
         x = norm(layer.input_layernorm.weight, f"layers.{i}.input_norm")
         if i - 1 in feature_layers:
             features.append(h)
-        pending = b.attention(x, layer.self_attn, i, shape, lengths, rope)
+        pending = attend(x, layer.self_attn, i)
         x = norm(layer.post_attention_layernorm.weight, f"layers.{i}.post_norm")
         pending = b.mlp(x, layer.mlp, f"layers.{i}")
     hidden = norm(body.norm.weight, "final_norm")
@@ -322,18 +393,27 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     logits = b.linear(hidden, [causal_lm.lm_head], "lm_head")
     b.rename(logits, LOGITS)
     b.rename(hidden, HIDDEN)
-    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [rows, t, cfg.vocab_size]),
-               helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [rows, t, cfg.hidden_size])]
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, t, cfg.vocab_size]),
+               helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, t, cfg.hidden_size])]
     if feature_layers:
         (feat,) = b.op("Concat", features, axis=2)
         b.rename(feat, FEATURES)
         outputs.append(helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT,
-                                                     [rows, t, cfg.hidden_size * len(feature_layers)]))
-    inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [rows, t]),
-              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [rows, t]),
-              helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [rows, t, t]),
-              helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [rows])]
-    io = decoder_io(len(body.layers), bool(feature_layers), FUSED)
+                                                     [1, t, cfg.hidden_size * len(feature_layers)]))
+    inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, t])]
+    if batched:
+        if feature_layers:
+            raise ValueError("the batched graph outputs no layer features")
+        inputs += [helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [t, t]),
+                   helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [BATCH_DIM]),
+                   helper.make_tensor_value_info(SEGMENTS, TensorProto.INT64, [runs, 3])]
+        io = batched_io(len(body.layers), runs)
+        b.presents.sort(key=lambda present: io.outputs.index(present[0]))  # io's order: decode, then each run
+    else:
+        inputs += [helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [1, t, t]),
+                   helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [1])]
+        io = decoder_io(len(body.layers), bool(feature_layers), FUSED)
     return b.model("fused_decoder", inputs, outputs, shape.kv_heads, shape.head_dim, io)
 
 

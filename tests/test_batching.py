@@ -47,7 +47,9 @@ def _run(session, ids, positions, mask, past, kv):
 
 
 def test_every_row_of_a_batched_call_equals_the_row_alone(batched_export):
-    from specdeploy.runtime.batching.graph import BatchedGraph
+    """Decode rows (T=1, each its own past) and runs of several tokens (a speculative tree, a
+    prefill chunk) in one call: every row's logits and KV equal the batch-1 graph's for it alone."""
+    from specdeploy.runtime.batching.graph import BatchedGraph, Run
     from specdeploy.runtime.manifest import load_manifest
 
     single, spec = _batch1_session(batched_export)
@@ -57,23 +59,29 @@ def test_every_row_of_a_batched_call_equals_the_row_alone(batched_export):
     shape = (slots, spec.num_kv_heads, rows, spec.head_dim)
     kv = {n: rng.standard_normal(shape).astype(np.float32) for n in past_names(spec.num_layers)}
     before = {n: v.copy() for n, v in kv.items()}
-    past = np.array([5, 40, 0, 17])
-    ids = rng.integers(0, spec.vocab_size, (slots, 1))
-    logits, _ = batched.run(ids, past[:, None].copy(), np.ones((slots, 1, 1), bool), past, kv)
-    for b in range(slots):  # one decode step (T=1) per row, each with its own past length
-        alone = _run(single, ids[b : b + 1], past[None, b : b + 1], np.ones((1, 1, 1), bool), past[b : b + 1],
-                     {n: v[b : b + 1].copy() for n, v in before.items()})
-        np.testing.assert_array_equal(logits[b, 0], alone[LOGITS][0, 0])
+    tree, chain = Tree((-1, 0, 0, 1, 2)), Tree(tuple(range(-1, 6)))  # a draft tree; a prefill chunk of 7
+    calls = {0: (rng.integers(0, spec.vocab_size, 1), np.array([5]), np.ones((1, 1), bool), 5),
+             1: (rng.integers(0, spec.vocab_size, 1), np.array([40]), np.ones((1, 1), bool), 40),
+             2: (rng.integers(0, spec.vocab_size, tree.size), 17 + tree.depth, tree.mask, 17),
+             3: (rng.integers(0, spec.vocab_size, chain.size), np.arange(chain.size), chain.mask, 0)}
+    decode = [(int(calls[s][0][0]), int(calls[s][1][0]), calls[s][3]) for s in (0, 1)]
+    runs = [Run(*calls[s], kv={n: v[s : s + 1] for n, v in kv.items()}) for s in (2, 3)]
+    logits, _ = batched.run(decode, {n: v[0:2] for n, v in kv.items()}, runs)
+    at = 0
+    for s, (ids, pos, mask, past) in calls.items():
+        alone = _run(single, ids[None], pos[None], mask[None], np.array([past]),
+                     {n: v[s : s + 1].copy() for n, v in before.items()})
+        np.testing.assert_array_equal(logits[at : at + len(ids)], alone[LOGITS][0])
+        at += len(ids)
         for n in kv:  # the row's new KV landed at its own past length, nothing else moved
-            np.testing.assert_array_equal(kv[n][b, :, : past[b] + 1], alone[present_of(n)][0, :, : past[b] + 1])
-    # one row at T > 1 (a speculative step): the tree mask as the batch-1 graph applies it
-    tree = Tree((-1, 0, 0, 1, 2))
-    t_ids = rng.integers(0, spec.vocab_size, (1, tree.size))
-    pos = (17 + tree.depth)[None]
-    view = {n: v[3:4].copy() for n, v in before.items()}
-    got, _ = batched.run(t_ids, pos, tree.mask[None], np.array([17]), view)
-    alone = _run(single, t_ids, pos, tree.mask[None], np.array([17]), {n: v[3:4].copy() for n, v in before.items()})
-    np.testing.assert_array_equal(got[0], alone[LOGITS][0])
+            np.testing.assert_array_equal(kv[n][s, :, : past + len(ids)], alone[present_of(n)][0, :, : past + len(ids)])
+            np.testing.assert_array_equal(kv[n][s, :, past + len(ids) :], before[n][s, :, past + len(ids) :])
+    assert at == len(logits)
+    # a call with no decode row (its placeholder row is not returned) gives the same rows again
+    for n in kv:
+        kv[n][...] = before[n]
+    again, _ = batched.run([], None, runs)
+    np.testing.assert_array_equal(again, logits[2:])
 
 
 JOBS = [dict(prompt="Once upon a time", method="ar"),
@@ -157,17 +165,18 @@ def test_the_server_batches_concurrent_requests_losslessly(batched_export, servi
 
 
 def test_rows_stay_lossless_whatever_draft_size_the_policy_picks(batched_export, services, monkeypatch):
-    """With the load-aware policy on and costs that make it cut proposals to two drafts, every
-    request still prints its batch-1 tokens (drafters see truncated proposals and plain steps)."""
+    """With the load-aware policy on, flat costs and at most two drafts weighed, every request
+    still prints its batch-1 tokens (drafters see truncated proposals, and plain steps when the
+    seats are taken)."""
     from specdeploy.runtime.service import Service
 
     alone, _ = services
     monkeypatch.setenv("SPECDEPLOY_ADAPTIVE", "1")
     svc = Service.load(batched_export, batch=3, queue_size=8)
     row = svc.pool.exports[0]
-    assert row.policy.enabled and row.policy.costs.decode  # calibrated at load
-    row.batcher.observers.clear()  # fixed costs: T=3 is cheap, anything wider ruinous
-    row.policy.costs.decode, row.policy.costs.single = {1: 1.0, 2: 2.0, 3: 3.0}, {2: 0.5, 3: 0.5, 4: 100.0}
+    assert row.policy.enabled and row.policy.costs.calls  # calibrated at load
+    row.batcher.observers.clear()  # fixed costs: a draft is free, so each row drafts what it may
+    row.policy.costs.calls, row.policy.sizes = {1: 1.0, 1000: 1.0}, (1, 2)
     jobs = [dict(job, max_new_tokens=10, ignore_eos=True) for job in JOBS if job["method"] != "lookahead"]
     with ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda job: svc.generate(**job), jobs))

@@ -37,8 +37,8 @@ class BatchedExport(LoadedExport):
         self.policy = SpeculationPolicy(costs, enabled=on_by_default())
         if self.policy.enabled:
             widths = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
-            sizes = sorted({t for config in self.methods.values() for t in (config.verify_tokens, 2, 4)
-                            if 1 < t <= config.verify_tokens})
+            most = max(config.verify_tokens for config in self.methods.values())
+            sizes = sorted({t for t in (2, 4, 8, 16, most + 1) if 1 < t <= most + 1})
             costs.calibrate(self.batcher, widths, sizes)
             self.batcher.observers.append(costs.observe)  # then every call refines the times
 
@@ -58,7 +58,7 @@ class BatchedExport(LoadedExport):
         config = self.method_config(method)
         if config.verify_tokens <= 1:
             return {"adaptive": False}
-        drafter = LoadAwareDrafter(build_drafter(self, config), self.policy, lambda: self.batcher.active,
+        drafter = LoadAwareDrafter(build_drafter(self, config), self.policy, self.batcher, self.slot,
                                    config.verify_tokens - 1)
         return {"drafter": drafter, "adaptive": False}
 

@@ -1,19 +1,21 @@
 """Load-adaptive speculation: per step, each row's draft size (or none) from measured costs.
 
-In a batch, a row's plain step rides in the one T=1 call of all rows and costs only that
-call's marginal row, while a speculative step is a single-row call of its own (scheduler.py)
-that every row of the step waits for. A row speculates with k drafts when the tokens it adds
-are worth what the step's time grows by, at the batch's current rate of tokens per second:
+In a batch, every row's step rides in one call of the batched graph (scheduler.py): a plain
+step adds one token to the call, a speculative step of k drafts adds k + 1. A row speculates
+with k drafts when the tokens it adds are worth what the call's time grows by, at the batch's
+current rate of tokens per second:
 
-    (E(k) - 1) * decode(n) / n  >  single(k + 1) - (decode(n) - decode(n - 1))
+    (E(k) - 1) * call(n) / n  >  call(N + k) - call(N)
 
-decode(n): seconds of a T=1 call over n rows; single(T): a one-row call of T tokens; both
-measured (`CostModel`: at start-up by `calibrate`, then every call the scheduler runs). E(k):
-the tokens a step of k drafts yields, from the row's measured acceptance (a per-draft rate:
-drafts accepted over drafts accepted plus steps cut short, the method's rate over all rows
-as the prior). With one row this is the batch-1 rule (speculate while tokens per second
-beat plain decoding); as rows join, decode(n) / n falls and speculation shrinks toward plain
-decoding. Either kind of step is lossless, so the choice never changes a row's tokens.
+call(N): seconds of a call of N tokens, measured (`CostModel`: at start-up by `calibrate`,
+then every call the scheduler runs); n: the rows running; N: the tokens of the batch's last
+call (at least n). E(k): the tokens a step of k drafts yields, from the row's measured
+acceptance (a per-draft rate: drafts accepted over drafts accepted plus steps cut short, the
+method's rate over all rows as the prior). With one row this is the batch-1 rule (speculate
+while tokens per second beat plain decoding); as rows join, call(n) / n falls while a
+token's cost stays, so speculation shrinks toward plain decoding. A speculative step also
+needs one of the scheduler's seats (one run of the call each). Either kind of step is
+lossless, so the choice never changes a row's tokens.
 """
 
 from __future__ import annotations
@@ -26,32 +28,31 @@ import numpy as np
 from ..drafters.base import DecodeState, Drafter, Proposal
 from ..tree import Tree
 
-EMA = 0.2  # weight of the newest timing of a call shape
+EMA = 0.2  # weight of the newest timing of a call size
 PRIOR_STEPS = 4.0  # speculative steps the method's rate counts for in a row's estimate
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 11, 14)  # draft sizes the policy weighs (capped by each proposal)
 
 
 class CostModel:
-    """Seconds of the batch's calls: T=1 decode calls by rows, single-row calls by T."""
+    """Seconds of a call of the batched graph by the tokens it computes."""
 
     def __init__(self):
-        self.decode: dict[int, float] = {}
-        self.single: dict[int, float] = {}
+        self.calls: dict[int, float] = {}
         self._lock = threading.Lock()
 
-    def observe(self, rows: int, tokens: int, seconds: float, replace: bool = False) -> None:
-        """A call's time (`replace`: as the shape's time, not blended into it)."""
-        table = self.decode if tokens == 1 else self.single
-        key = rows if tokens == 1 else tokens
+    def observe(self, tokens: int, seconds: float, replace: bool = False) -> None:
+        """A call's time (`replace`: as the size's time, not blended into it)."""
         with self._lock:
-            old = table.get(key)
-            table[key] = seconds if old is None or replace else (1 - EMA) * old + EMA * seconds
+            old = self.calls.get(tokens)
+            self.calls[tokens] = seconds if old is None or replace else (1 - EMA) * old + EMA * seconds
 
     def calibrate(self, batcher, rows: list[int], tokens: list[int], repeats: int = 2) -> None:
-        """Time each call shape before serving: a warm-up call, then the fastest of `repeats`."""
-        for r, t in [(r, 1) for r in rows] + [(1, t) for t in tokens if t > 1]:
+        """Time call sizes before serving: `rows` decode rows alone, and one decode row with a
+        run of t - 1 tokens for each t of `tokens`; a warm-up call, then the fastest of `repeats`."""
+        shapes = [(r, 0) for r in rows] + [(1, t - 1) for t in tokens if t > 1]
+        for r, t in shapes:
             batcher.time_call(r, t)
-            self.observe(r, t, min(batcher.time_call(r, t) for _ in range(repeats)), replace=True)
+            self.observe(r + t, min(batcher.time_call(r, t) for _ in range(repeats)), replace=True)
 
     @staticmethod
     def _interpolate(table: dict[int, float], x: int) -> float:
@@ -71,15 +72,9 @@ class CostModel:
         a, b = keys[i - 1], keys[i]
         return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
 
-    def decode_s(self, rows: int) -> float:
+    def call_s(self, tokens: int) -> float:
         with self._lock:
-            return self._interpolate(self.decode, rows) if rows > 0 else 0.0
-
-    def single_s(self, tokens: int) -> float:
-        with self._lock:
-            if tokens == 1:
-                return self._interpolate(self.decode, 1)
-            return self._interpolate(self.single, tokens)
+            return self._interpolate(self.calls, tokens) if tokens > 0 else 0.0
 
 
 class Acceptance:
@@ -113,21 +108,23 @@ def expected_tokens(rate: float, drafts: int) -> float:
 class SpeculationPolicy:
     def __init__(self, costs: CostModel, enabled: bool = True):
         self.costs, self.enabled = costs, enabled
+        self.sizes = DRAFT_SIZES  # draft sizes it weighs
         self.methods: dict[str, Acceptance] = {}
         self._lock = threading.Lock()
 
-    def draft_size(self, rows: int, rate: float, most: int) -> int:
-        """Drafts for a row's next step (0: plain) with `rows` rows running, at most `most`."""
+    def draft_size(self, rows: int, tokens: int, rate: float, most: int) -> int:
+        """Drafts for a row's next step (0: plain) with `rows` rows running and the batch's last
+        call of `tokens` tokens, at most `most`."""
         if most < 1:
             return 0
         if not self.enabled:
             return most
-        step = self.costs.decode_s(rows)
-        marginal = step - self.costs.decode_s(rows - 1)
-        per_token = step / rows  # seconds per token the batch makes now
+        base = max(rows, tokens)
+        now = self.costs.call_s(base)
+        per_token = self.costs.call_s(rows) / rows  # seconds per token the batch makes decoding plainly
         best, best_k = 0.0, 0
-        for k in sorted({min(k, most) for k in DRAFT_SIZES}):
-            gain = (expected_tokens(rate, k) - 1) * per_token - (self.costs.single_s(k + 1) - marginal)
+        for k in sorted({min(k, most) for k in self.sizes}):
+            gain = (expected_tokens(rate, k) - 1) * per_token - (self.costs.call_s(base + k) - now)
             if gain > best:
                 best, best_k = gain, k
         return best_k
@@ -151,12 +148,14 @@ def truncated(proposal: Proposal, drafts: int) -> Proposal:
 
 
 class LoadAwareDrafter(Drafter):
-    """A row's drafter under the batch's policy: asks it for the step's draft size, drafts
-    only then, and reports what was accepted. The inner drafter sees every step as before
-    (a plain step is a root-only proposal, as when the batch-1 adaptive policy decodes plainly)."""
+    """A row's drafter under the batch's policy: asks it for the step's draft size (and the
+    batcher for a seat), drafts only then, and reports what was accepted. The inner drafter
+    sees every step as before (a plain step is a root-only proposal, as when the batch-1
+    adaptive policy decodes plainly). A disabled policy drafts every step without a seat (the
+    scheduler then takes further calls), so the steps stay batch-1's."""
 
-    def __init__(self, inner: Drafter, policy: SpeculationPolicy, active_rows, most: int):
-        self.inner, self.policy, self.active_rows, self.most = inner, policy, active_rows, most
+    def __init__(self, inner: Drafter, policy: SpeculationPolicy, batcher, slot: int, most: int):
+        self.inner, self.policy, self.batcher, self.slot, self.most = inner, policy, batcher, slot, most
         self.name, self.deterministic = inner.name, inner.deterministic
         self.default_sampling = inner.default_sampling
         self.acceptance = Acceptance()
@@ -169,7 +168,9 @@ class LoadAwareDrafter(Drafter):
 
     def propose(self, state: DecodeState) -> Proposal:
         rate = self.acceptance.rate(self.policy.prior(self.name))
-        k = self.policy.draft_size(max(1, self.active_rows()), rate, self.most)
+        k = self.policy.draft_size(max(1, self.batcher.active), self.batcher.last_tokens, rate, self.most)
+        if k and self.policy.enabled and not self.batcher.take_seat(self.slot):
+            k = 0
         if k == 0:
             return Proposal.root_only(state.tokens[-1])
         return truncated(self.inner.propose(state), k)

@@ -4,16 +4,16 @@ its own, on its thread).
 Each row (a request's generation on its own thread, runtime/generate.py) submits its target
 calls here and waits. A step of the scheduler gathers what the rows have submitted, waiting
 a short window for rows still busy with their host work (verification, sampling, streaming),
-then runs:
+then runs them as one call of the batched graph (graph.py): every row that asked for a plain
+decode step as a decode row (rows in the slot range that did not ask write a placeholder
+token to their slot's trash row), and every call of several tokens (a speculative step, a
+prefill chunk) as a run, up to the graph's runs per call (more take further calls). At most
+one prefill chunk joins a step while other rows decode, so a long prompt delays running rows
+by one chunk per step (with no row decoding, one chunk of every row that is prefilling).
 
-1. one batched T=1 call over every row that asked for a plain decode step (rows in the slot
-   range that did not ask write a placeholder token to their slot's trash row);
-2. every single-row call of more tokens (a speculative step: ONNX Runtime's CPU attention takes
-   one row when T > 1);
-3. at most one prefill chunk while other rows decode, so a long prompt delays running rows
-   by one chunk per step (with no row decoding, one chunk of every row that is prefilling).
-
-Rows join and leave between steps: a row is part of whichever step its call reaches.
+Speculative steps take seats (`take_seat`): at most one per run of the graph but one, kept
+for a prefill chunk, so speculation never needs a second call. Rows join and leave between
+steps: a row is part of whichever step its call reaches.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .graph import BatchedGraph
+from .graph import BatchedGraph, Run
 from .kv_slots import SlotKV
 
 # A step waits for rows still busy with host work at most this fraction of the last step's time
@@ -61,7 +61,10 @@ class Batcher:
         self._active: set[int] = set()  # slots with a request in progress
         self._last_step_s = 0.0
         self.steps = 0
-        self.observers: list = []  # callables (rows in the call, tokens per row, seconds) after each call
+        self.last_tokens = 0  # tokens of the last call (what the speculation policy adds drafts to)
+        self.observers: list = []  # callables (tokens computed in the call, seconds) after each call
+        self._seats: set[int] = set()  # slots whose next call is a speculative step
+        self.seats = max(1, graph.runs - 1)
         self._closed = False
         self._running = False  # a step is running (on the scheduler's thread or a lone row's)
         self._thread = threading.Thread(target=self._loop, name="specdeploy-batcher", daemon=True)
@@ -75,7 +78,16 @@ class Batcher:
     def leave(self, slot: int) -> None:
         with self._cond:
             self._active.discard(slot)
+            self._seats.discard(slot)
             self._cond.notify_all()  # the step may stop waiting for this row
+
+    def take_seat(self, slot: int) -> bool:
+        """Whether `slot`'s next call may be a speculative step (a seat, freed when the call is done)."""
+        with self._cond:
+            if slot in self._seats or len(self._seats) < self.seats:
+                self._seats.add(slot)
+                return True
+            return False
 
     @property
     def active(self) -> int:
@@ -153,57 +165,59 @@ class Batcher:
     def _step(self, work: list[Work]) -> None:
         start = time.perf_counter()
         decodes = [w for w in work if w.tokens == 1 and not w.prefill]
-        if decodes:
-            self._run(decodes, self._decode)
-        for w in work:
-            if w.tokens > 1 or w.prefill:
-                self._run([w], self._single)
+        runs = [w for w in work if w.tokens > 1 or w.prefill]
+        per_call = self.graph.runs
+        self._run(decodes, runs[:per_call])
+        for i in range(per_call, len(runs), per_call):
+            self._run([], runs[i : i + per_call])
         self._last_step_s = time.perf_counter() - start
         self.steps += 1
 
-    def _run(self, work: list[Work], call) -> float:
+    def _run(self, decodes: list[Work], runs: list[Work]) -> float:
         start = time.perf_counter()
-        rows = len(work)
+        work = decodes + runs
+        tokens = sum(w.tokens for w in work)
         try:
-            rows = call(work)
+            tokens = self._call(decodes, runs)
         except BaseException as exc:  # the rows' threads raise it
             for w in work:
                 w.error = exc
         seconds = time.perf_counter() - start
+        self.last_tokens = tokens
         for observe in self.observers:
-            observe(rows, work[0].tokens, seconds)
+            observe(tokens, seconds)
+        with self._cond:
+            self._seats.difference_update(w.slot for w in work)
         for w in work:
             w.done.set()
         return seconds
 
-    def time_call(self, rows: int, tokens: int) -> float:
-        """Seconds of one placeholder call of `rows` rows at T=1, or one row of `tokens`; for
-        start-up only (it writes trash rows, or scratch rows of slot 0 while slot 0 is empty)."""
-        if tokens == 1:
-            work = [Work(s, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool), self.kv.trash)
-                    for s in range(rows)]
-            return self._run(work, self._decode)
-        w = Work(0, np.zeros(tokens, np.int64), np.arange(tokens), np.tril(np.ones((tokens, tokens), bool)), 0)
-        return self._run([w], self._single)
+    def time_call(self, rows: int, tokens: int = 0) -> float:
+        """Seconds of one placeholder call: `rows` decode rows, and a run of `tokens` tokens over
+        slot 0's scratch rows (0: none); for start-up only (it writes trash rows, and scratch
+        rows of slot 0 while slot 0 is empty)."""
+        decodes = [Work(s, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool), self.kv.trash)
+                   for s in range(rows)]
+        runs = [Work(0, np.zeros(tokens, np.int64), np.arange(tokens), np.tril(np.ones((tokens, tokens), bool)), 0)]
+        return self._run(decodes, runs if tokens else [])
 
-    def _decode(self, work: list[Work]) -> int:
-        """One T=1 call over the slot range of `work`; slots in between write to the trash row."""
-        lo, hi = min(w.slot for w in work), max(w.slot for w in work) + 1
-        b = hi - lo
-        ids = np.zeros((b, 1), np.int64)
-        positions = np.zeros((b, 1), np.int64)
-        past = np.full(b, self.kv.trash, np.int64)
-        for w in work:
-            r = w.slot - lo
-            ids[r, 0], positions[r, 0], past[r] = w.ids[0], w.positions[0], w.past
-        logits, hidden = self.graph.run(ids, positions, np.ones((b, 1, 1), bool), past, self.kv.views(lo, hi))
-        for w in work:
-            w.logits, w.hidden = logits[w.slot - lo], hidden[w.slot - lo]
-        return b
-
-    def _single(self, work: list[Work]) -> int:
-        (w,) = work
-        logits, hidden = self.graph.run(w.ids[None], w.positions[None], w.mask[None], np.array([w.past], np.int64),
-                                        self.kv.views(w.slot, w.slot + 1))
-        w.logits, w.hidden = logits[0], hidden[0]
-        return 1
+    def _call(self, decodes: list[Work], runs: list[Work]) -> int:
+        """One call of the batched graph: `decodes` as decode rows over their slot range (slots in
+        between write to the trash row), `runs` as runs; returns the tokens it computed."""
+        rows: list[tuple[int, int, int]] = []
+        views = None
+        if decodes:
+            lo, hi = min(w.slot for w in decodes), max(w.slot for w in decodes) + 1
+            rows = [(0, 0, self.kv.trash)] * (hi - lo)
+            for w in decodes:
+                rows[w.slot - lo] = (int(w.ids[0]), int(w.positions[0]), w.past)
+            views = self.kv.views(lo, hi)
+        logits, hidden = self.graph.run(rows, views, [Run(w.ids, w.positions, w.mask, w.past,
+                                                          self.kv.views(w.slot, w.slot + 1)) for w in runs])
+        for w in decodes:
+            w.logits, w.hidden = logits[w.slot - lo : w.slot - lo + 1], hidden[w.slot - lo : w.slot - lo + 1]
+        at = len(rows)
+        for w in runs:
+            w.logits, w.hidden = logits[at : at + w.tokens], hidden[at : at + w.tokens]
+            at += w.tokens
+        return at

@@ -10,35 +10,44 @@ from specdeploy.runtime.tree import Tree
 
 
 def cpu_like_costs() -> CostModel:
-    """Shaped like SmolLM2 on 2 cores: a row costs little in a T=1 call, a token a lot alone."""
+    """Shaped like SmolLM2 on 2 cores: a call's fixed cost (the weights read once) dominates,
+    each token adds a little."""
     costs = CostModel()
-    for rows in (1, 2, 4, 8, 16):
-        costs.observe(rows, 1, 0.020 + 0.004 * rows)
-    for t in (2, 4, 9, 15):
-        costs.observe(1, t, 0.020 + 0.0025 * t)
+    for tokens in (1, 2, 4, 8, 16, 32, 64):
+        costs.observe(tokens, 0.020 + 0.002 * tokens)
     return costs
 
 
 def test_speculation_shrinks_to_plain_decoding_as_rows_join():
     policy = SpeculationPolicy(cpu_like_costs())
-    sizes = [policy.draft_size(rows, rate=0.8, most=14) for rows in (1, 2, 4, 8, 16)]
+    sizes = [policy.draft_size(rows, rows, rate=0.6, most=14) for rows in (1, 2, 4, 8, 16, 32)]
     assert sizes[0] > 1 and sizes[-1] == 0
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))
 
 
 def test_draft_size_grows_with_acceptance_and_a_disabled_policy_drafts_all():
     policy = SpeculationPolicy(cpu_like_costs())
-    sizes = [policy.draft_size(1, rate=r, most=14) for r in (0.01, 0.5, 0.9)]
+    sizes = [policy.draft_size(1, 1, rate=r, most=14) for r in (0.01, 0.5, 0.9)]
     assert sizes[0] == 0 and sizes[0] < sizes[1] <= sizes[2]
-    assert SpeculationPolicy(cpu_like_costs(), enabled=False).draft_size(16, 0.05, 14) == 14
+    assert SpeculationPolicy(cpu_like_costs(), enabled=False).draft_size(16, 16, 0.05, 14) == 14
 
 
-def test_costs_interpolate_between_measured_shapes():
+def test_other_rows_drafts_in_the_call_make_a_row_draft_less():
+    """The cost of k more tokens is read where the call already is (its last size), so a call
+    that others' drafts made long (past the flat part of the cost curve) takes fewer."""
+    costs = CostModel()
+    for tokens, seconds in ((1, 0.020), (8, 0.022), (16, 0.030), (64, 0.120)):
+        costs.observe(tokens, seconds)
+    policy = SpeculationPolicy(costs)
+    assert policy.draft_size(4, 4, rate=0.5, most=8) > policy.draft_size(4, 30, rate=0.5, most=8)
+
+
+def test_costs_interpolate_between_measured_sizes():
     costs = cpu_like_costs()
-    assert np.isclose(costs.decode_s(3), (costs.decode_s(2) + costs.decode_s(4)) / 2)
-    assert costs.decode_s(32) > costs.decode_s(16) and costs.single_s(20) > costs.single_s(15)
-    costs.observe(1, 9, 1.0)  # online timings move the estimate (an average, not the last)
-    assert 0.05 < costs.single_s(9) < 1.0
+    assert np.isclose(costs.call_s(3), (costs.call_s(2) + costs.call_s(4)) / 2)
+    assert costs.call_s(128) > costs.call_s(64)
+    costs.observe(8, 1.0)  # online timings move the estimate (an average, not the last)
+    assert 0.05 < costs.call_s(8) < 1.0
 
 
 def test_expected_tokens_and_truncation_keep_a_tree():
