@@ -109,6 +109,10 @@ def precision(system: str, dtype: str) -> str:
     return ours.get(system) or OTHER_QUANTIZATION.get(system) or dtype
 
 
+def _system_rank(item: tuple) -> int:
+    return SYSTEMS.index(item[0])
+
+
 def quantized_exports(opts: BenchOptions, export) -> dict[str, object]:
     """{system: LoadedExport} of --quantized exports: each an int8/int4 export of the same target,
     with the same tokenizer (one set of prompt token ids for every system)."""
@@ -165,7 +169,7 @@ def plan(opts: BenchOptions, export, quant: dict | None = None) -> tuple[list[tu
 
     rows, skipped = [], []
     ours = [("specdeploy", export, opts.methods)]
-    ours += [(system, q, opts.quantized_methods) for system, q in sorted((quant or {}).items())]
+    ours += [(system, q, opts.quantized_methods) for system, q in sorted((quant or {}).items(), key=_system_rank)]
     for system, exp, methods in ours:
         exported = list(exp.methods)
         for method in methods:
@@ -499,7 +503,7 @@ def weight_bytes(export, results: list[dict] | None = None, quant: dict | None =
     ran = {r["system"]: r for r in results} if results is not None else None
     out = {}
     dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(export.manifest.dtype, 4)
-    for system, exp in [("specdeploy", export), *sorted((quant or {}).items())]:
+    for system, exp in [("specdeploy", export), *sorted((quant or {}).items(), key=_system_rank)]:
         graph = _target_graph(exp)
         if graph is not None and graph[0].is_file():
             out[system] = {**roofline.onnx_weight_bytes(*graph), "kv_itemsize": dtype_bytes}
