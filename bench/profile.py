@@ -2,6 +2,7 @@
 
     python -m specdeploy.bench.profile OUT [--method ar] [--prompts FILE] [--max-new-tokens 128] [--threads 2]
     python -m specdeploy.bench.profile OUT --graph-vs-ortgenai [--past 200]
+    python -m specdeploy.bench.profile OUT --ops [--past 200]
 
 Stage timers (Generation.stats): prefill, draft, verify (target graph calls), host (the
 rest: verification, KV commits, detokenizing). cProfile's top functions by self time then
@@ -11,6 +12,10 @@ say which Python or ONNX Runtime calls those seconds are.
 Runtime, same thread pool, interleaved rounds): our fused target graph against
 onnxruntime-genai's model of the same target (built by `make peers`). Equal graph times
 put any end-to-end gap in the loops around them.
+
+--ops runs the graph our AR step calls (a quantized target's: its T=2 fused graph) under
+ONNX Runtime's profiler, KV bound in place: ms per call by op type (MatMulNBits, attention,
+norms ...), beside the wall time per call, and the bytes the roofline counts for it.
 """
 
 from __future__ import annotations
@@ -133,6 +138,69 @@ def graph_vs_ortgenai(export_dir: Path, peers_dir: Path, threads: int, past: int
     return "\n".join(lines) + "\n"
 
 
+def op_split(export_dir: Path, threads: int, past: int = 200, runs: int = 40) -> str:
+    """ms per call of the AR step's graph, by op type, from ONNX Runtime's profiler."""
+    import json
+    import tempfile
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from ..runtime.backends import session_options
+    from ..runtime.loaded_export import LoadedExport
+    from . import roofline
+    from .run import _target_graph
+
+    export = LoadedExport(export_dir, backend="ort-cpu")
+    graph, tokens = _target_graph(export)
+    spec = export.manifest.models["target"]
+    keep = []
+    with tempfile.TemporaryDirectory() as tmp:
+        so = session_options(threads)
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tmp) / "ort")
+        session = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+        binding = session.io_binding()
+
+        def bind(name: str, array, output: bool = False):
+            keep.append(array)
+            keep.append(ort.OrtValue.ortvalue_from_numpy(array))
+            (binding.bind_ortvalue_output if output else binding.bind_ortvalue_input)(name, keep[-1])
+
+        for layer in range(spec.num_layers):
+            for kind in ("key", "value"):
+                buf = np.zeros((1, spec.num_kv_heads, export.manifest.max_context, spec.head_dim), np.float32)
+                bind(f"past_{kind}.{layer}", buf)
+                binding.bind_ortvalue_output(f"present_{kind}.{layer}", keep[-1])
+        bind("input_ids", np.zeros((1, tokens), np.int64))
+        bind("position_ids", np.arange(past, past + tokens)[None])
+        bind("tree_mask", np.tril(np.ones((tokens, tokens), bool))[None])
+        bind("past_length", np.array([past]))
+        bind("logits", np.zeros((1, tokens, spec.vocab_size), np.float32), output=True)
+        bind("hidden", np.zeros((1, tokens, spec.hidden_size), np.float32), output=True)
+        for _ in range(5):
+            session.run_with_iobinding(binding)
+        start = time.perf_counter()
+        for _ in range(runs):
+            session.run_with_iobinding(binding)
+        wall = (time.perf_counter() - start) / runs * 1e3
+        events = json.loads(Path(session.end_profiling()).read_text())
+    by_op: dict[str, float] = {}
+    calls = sum(1 for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            op = e.get("args", {}).get("op_name", "?")
+            by_op[op] = by_op.get(op, 0.0) + e["dur"] / 1e3
+    total = sum(by_op.values())
+    nbytes = roofline.onnx_weight_bytes(graph, tokens)["bytes_per_pass"]
+    lines = [f"{graph.name} (T={tokens}, past {past}, {threads} threads, KV bound in place): {wall:.2f} ms per call "
+             f"(wall, {runs} calls); the roofline counts {nbytes / 1e6:.1f} MB read per call; kernel time by op "
+             f"(ONNX Runtime profiler, {calls} calls):"]
+    for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {op:32s} {ms / max(calls, 1):7.3f} ms  {ms / total:5.1%}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="export directory")
@@ -143,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--graph-vs-ortgenai", action="store_true",
                    help="time the T=1 decode graph alone beside onnxruntime-genai's (needs `make peers`)")
-    p.add_argument("--past", type=int, default=200, help="cached tokens for --graph-vs-ortgenai")
+    p.add_argument("--ops", action="store_true",
+                   help="the AR step's graph alone under ONNX Runtime's profiler: ms per call by op type")
+    p.add_argument("--past", type=int, default=200, help="cached tokens for --graph-vs-ortgenai and --ops")
     p.add_argument("--peers-dir", type=Path, default=Path("build/peers"))
     args = p.parse_args(argv)
     if args.graph_vs_ortgenai:
@@ -155,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         except (SpecDeployError, PeerUnavailable) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        return 0
+    if args.ops:
+        sys.stdout.write(op_split(args.out, args.threads, args.past))
         return 0
     prompts = load_prompts(args.prompts or shipped_sets()["code"])[: args.num_prompts]
     sys.stdout.write(profile(args.out, args.method, prompts, args.max_new_tokens, args.threads))

@@ -576,3 +576,10 @@ def run_cli_module(module, *args):
 
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
                           timeout=300)
+
+
+def test_profile_splits_the_ar_steps_graph_by_op(micro_export):
+    proc = run_cli_module("specdeploy.bench.profile", micro_export, "--ops", "--past", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "target_fused_t1.onnx (T=1" in proc.stdout and "ms per call" in proc.stdout
+    assert "GroupQueryAttention" in proc.stdout and "%" in proc.stdout
