@@ -58,7 +58,9 @@ class EagleConfig:
     # once no frontier node reaches it (fewer head calls, a smaller verify call); 0: always
     # total_tokens nodes over depth levels. SmolLM2-135M's head (held-out top-1 0.42), chat/code,
     # 3 prompts x 48 tokens, load ~12: 0.2 at 1.11x/1.14x ar, 0.1 1.10x/1.10x, 0.05 1.08x/0.99x,
-    # 0 0.99x/0.94x; the toy family's head is under-confident (0.2 cut its acceptance from >2 to 1.5)
+    # 0 0.99x/0.94x; the toy family's head is under-confident (0.2 cut its acceptance from >2 to 1.5),
+    # so 0 here and 0.1 for trained real-model heads (configs/trained-drafters.yaml). In a fused
+    # method it also sizes EAGLE's share of the tree (total_tokens widened to the budget)
     min_prob: float = 0.0
     # draft among the head's N most frequent tokens (its draft_vocab.json; 0: all); the LM head is
     # most of a draft level's cost, verification is unchanged
