@@ -77,11 +77,11 @@ def test_every_row_of_a_batched_call_equals_the_row_alone(batched_export):
             np.testing.assert_array_equal(kv[n][s, :, : past + len(ids)], alone[present_of(n)][0, :, : past + len(ids)])
             np.testing.assert_array_equal(kv[n][s, :, past + len(ids) :], before[n][s, :, past + len(ids) :])
     assert at == len(logits)
-    # a call with no decode row (its placeholder row is not returned) gives the same rows again
+    # no decode row and one run (the placeholder row and run are not returned): the same row again
     for n in kv:
         kv[n][...] = before[n]
-    again, _ = batched.run([], None, runs)
-    np.testing.assert_array_equal(again, logits[2:])
+    again, _ = batched.run([], None, runs[:1])
+    np.testing.assert_array_equal(again, logits[2 : 2 + tree.size])
 
 
 JOBS = [dict(prompt="Once upon a time", method="ar"),
@@ -260,4 +260,30 @@ def test_an_older_export_gets_its_batched_graph_from_the_manual_step(micro_famil
         assert not os.path.samefile(old / rel, micro_export / rel)
     alone, _ = services
     job = dict(prompt="Once upon a time", method="ar", max_new_tokens=6, ignore_eos=True)
+    assert Service.load(old, batch=2).generate(**job).token_ids == alone.generate(**job).token_ids
+
+
+def test_a_batched_graph_of_the_older_form_is_named_and_replaced(micro_family, micro_export, services, tmp_path):
+    """A recorded batched graph without runs of several tokens (the form before speculative steps
+    joined the decode call; here the batch-1 graph stands in for it): `--batch` names the step,
+    which replaces it, after which the export serves batched as a fresh one."""
+    from specdeploy.export.batched_graph import main as add_batched
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.manifest import sha256_file
+    from specdeploy.runtime.service import Service
+
+    old = tmp_path / "older-form"
+    shutil.copytree(micro_export, old, copy_function=os.link)
+    (old / "target_fused_batched.onnx").unlink()
+    shutil.copyfile(micro_export / "target_fused_t1.onnx", old / "target_fused_batched.onnx")
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["files"]["target_fused_batched.onnx"] = sha256_file(old / "target_fused_batched.onnx")
+    (old / "manifest.json").unlink()
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpecDeployError, match="older specdeploy.*specdeploy.export.batched_graph"):
+        Service.load(old, batch=2)
+    assert add_batched([str(old), str(micro_family / "target")]) == 0
+    alone, _ = services
+    job = dict(prompt="the cat sat on the mat and the cat sat on", method="prompt-lookup", max_new_tokens=6,
+               ignore_eos=True)
     assert Service.load(old, batch=2).generate(**job).token_ids == alone.generate(**job).token_ids

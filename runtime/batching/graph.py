@@ -47,7 +47,10 @@ from ..manifest import Manifest
 # rows that sit in a call's slot range without taking part write their one token (kv_slots.TRASH).
 EXTRA_ROWS = 1
 SEGMENTS = "segments"  # input [R, 3] int64: each run's first token, end and past length
-RUNS = 4  # runs of several tokens one call takes (exported; the graph's inputs say how many)
+# Runs of several tokens one call takes (exported; the graph's inputs say how many). Each unused
+# run costs a placeholder's nodes in every call (SmolLM2, 2 threads: a 1-row decode call took
+# 36.8 ms of CPU with 4 runs against 28.1 for the batch-1 graph), so few.
+RUNS = 2
 
 
 def run_kv_name(run: int, name: str) -> str:

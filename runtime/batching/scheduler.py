@@ -11,9 +11,9 @@ prefill chunk) as a run, up to the graph's runs per call (more take further call
 one prefill chunk joins a step while other rows decode, so a long prompt delays running rows
 by one chunk per step (with no row decoding, one chunk of every row that is prefilling).
 
-Speculative steps take seats (`take_seat`): at most one per run of the graph but one, kept
-for a prefill chunk, so speculation never needs a second call. Rows join and leave between
-steps: a row is part of whichever step its call reaches.
+Speculative steps take seats (`take_seat`), one per run of the graph, so speculation alone
+never needs a second call (a prefill chunk beside a full set of seats does). Rows join and
+leave between steps: a row is part of whichever step its call reaches.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Batcher:
         self.last_tokens = 0  # tokens of the last call (what the speculation policy adds drafts to)
         self.observers: list = []  # callables (tokens computed in the call, seconds) after each call
         self._seats: set[int] = set()  # slots whose next call is a speculative step
-        self.seats = max(1, graph.runs - 1)
+        self.seats = graph.runs
         self._closed = False
         self._running = False  # a step is running (on the scheduler's thread or a lone row's)
         self._thread = threading.Thread(target=self._loop, name="specdeploy-batcher", daemon=True)
