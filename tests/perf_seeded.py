@@ -1,6 +1,6 @@
 """Seeded vs rejection sampling per method: acceptance length and decode tokens/s (not collected by pytest).
 
-    .venv/bin/python tests/perf_seeded.py --export /tmp/micro_all [--prompts 16 --seeds 4 --new 64]
+    .venv/bin/python tests/perf_seeded.py --export /tmp/micro_all [--prompts 16 --seeds 4 --new 64 --methods a,b]
 
 Without an export there, it exports the micro family (build/family/micro, built by the test suite)
 with the draft model, Medusa heads and EAGLE head. Per temperature and method: one fresh loaded
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--methods", help="comma-separated methods (default: every one the export has)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     os.environ["SPECDEPLOY_ADAPTIVE"] = "0"
@@ -50,7 +51,7 @@ def main() -> None:
     prompts = [base.tokenizer.encode(t) for t in heldout_prompts(args.prompts, seed=1)]
     rows = []
     for temperature, first_seed in ((0.7, 0), (1.0, 10**6)):
-        for method in base.methods:
+        for method in args.methods.split(",") if args.methods else base.methods:
             ex = {s: LoadedExport(path) for s in ("seeded", "rejection")}
             acc = {s: [0, 0, 0.0] for s in ex}  # new tokens, target calls, decode seconds
             for k in range(args.seeds * len(prompts)):
