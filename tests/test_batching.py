@@ -176,7 +176,7 @@ def test_rows_stay_lossless_whatever_draft_size_the_policy_picks(batched_export,
     row = svc.pool.exports[0]
     assert row.policy.enabled and row.policy.costs.calls  # calibrated at load
     row.batcher.observers.clear()  # fixed costs: a draft is free, so each row drafts what it may
-    row.policy.costs.calls, row.policy.sizes = {1: 1.0, 1000: 1.0}, (1, 2)
+    row.policy.costs.calls, row.policy.costs.run_s, row.policy.sizes = {1: 1.0, 1000: 1.0}, 0.0, (1, 2)
     jobs = [dict(job, max_new_tokens=10, ignore_eos=True) for job in JOBS if job["method"] != "lookahead"]
     with ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda job: svc.generate(**job), jobs))

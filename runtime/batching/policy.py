@@ -5,17 +5,19 @@ step adds one token to the call, a speculative step of k drafts adds k + 1. A ro
 with k drafts when the tokens it adds are worth what the call's time grows by, at the batch's
 current rate of tokens per second:
 
-    (E(k) - 1) * call(n) / n  >  call(N + k) - call(N)
+    (E(k) - 1) * call(n) / n  >  call(N + k) - call(N) + run
 
-call(N): seconds of a call of N tokens, measured (`CostModel`: at start-up by `calibrate`,
-then every call the scheduler runs); n: the rows running; N: the tokens of the batch's last
-call (at least n). E(k): the tokens a step of k drafts yields, from the row's measured
-acceptance (a per-draft rate: drafts accepted over drafts accepted plus steps cut short, the
-method's rate over all rows as the prior). With one row this is the batch-1 rule (speculate
-while tokens per second beat plain decoding); as rows join, call(n) / n falls while a
-token's cost stays, so speculation shrinks toward plain decoding. A speculative step also
-needs one of the scheduler's seats (one run of the call each). Either kind of step is
-lossless, so the choice never changes a row's tokens.
+call(N): seconds of a call of N tokens as decode rows; run: what a row's tokens cost more as a
+run of their own (its attention node beside the decode rows', graph.py) than as decode rows;
+both measured (`CostModel`: at start-up by `calibrate`, then every call the scheduler runs);
+n: the rows running; N: the tokens of the batch's last call (at least n). E(k): the tokens a
+step of k drafts yields, from the row's measured acceptance (a per-draft rate: drafts
+accepted over drafts accepted plus steps cut short, the method's rate over all rows as the
+prior). With one row this is the batch-1 rule (speculate while tokens per second beat plain
+decoding); as rows join, call(n) / n falls while a token's cost stays, so speculation
+shrinks toward plain decoding. A speculative step also needs one of the scheduler's seats
+(one run of the call each). Either kind of step is lossless, so the choice never changes a
+row's tokens.
 """
 
 from __future__ import annotations
@@ -34,14 +36,22 @@ DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 11, 14)  # draft sizes the policy weighs (cappe
 
 
 class CostModel:
-    """Seconds of a call of the batched graph by the tokens it computes."""
+    """Seconds of a call of the batched graph by the tokens it computes, and what each run in it
+    costs beyond that."""
 
     def __init__(self):
-        self.calls: dict[int, float] = {}
+        self.calls: dict[int, float] = {}  # calls of decode rows only, by tokens
+        self.run_s = 0.0
         self._lock = threading.Lock()
 
-    def observe(self, tokens: int, seconds: float, replace: bool = False) -> None:
-        """A call's time (`replace`: as the size's time, not blended into it)."""
+    def observe(self, tokens: int, seconds: float, runs: int = 0, replace: bool = False) -> None:
+        """A call's time (`replace`: as the size's time, not blended into it); a call with runs
+        refines the run's cost (its time beyond a call of as many decode rows' tokens)."""
+        if runs:
+            extra = max(0.0, (seconds - self.call_s(tokens)) / runs)
+            with self._lock:
+                self.run_s = extra if replace else (1 - EMA) * self.run_s + EMA * extra
+            return
         with self._lock:
             old = self.calls.get(tokens)
             self.calls[tokens] = seconds if old is None or replace else (1 - EMA) * old + EMA * seconds
@@ -50,9 +60,16 @@ class CostModel:
         """Time call sizes before serving: `rows` decode rows alone, and one decode row with a
         run of t - 1 tokens for each t of `tokens`; a warm-up call, then the fastest of `repeats`."""
         shapes = [(r, 0) for r in rows] + [(1, t - 1) for t in tokens if t > 1]
+        runs: list[float] = []
         for r, t in shapes:
             batcher.time_call(r, t)
-            self.observe(r + t, min(batcher.time_call(r, t) for _ in range(repeats)), replace=True)
+            seconds = min(batcher.time_call(r, t) for _ in range(repeats))
+            if t:
+                runs.append(max(0.0, seconds - self.call_s(r + t)))
+            else:
+                self.observe(r, seconds, replace=True)
+        if runs:
+            self.run_s = float(np.median(runs))
 
     @staticmethod
     def _interpolate(table: dict[int, float], x: int) -> float:
@@ -124,7 +141,7 @@ class SpeculationPolicy:
         per_token = self.costs.call_s(rows) / rows  # seconds per token the batch makes decoding plainly
         best, best_k = 0.0, 0
         for k in sorted({min(k, most) for k in self.sizes}):
-            gain = (expected_tokens(rate, k) - 1) * per_token - (self.costs.call_s(base + k) - now)
+            gain = (expected_tokens(rate, k) - 1) * per_token - (self.costs.call_s(base + k) - now + self.costs.run_s)
             if gain > best:
                 best, best_k = gain, k
         return best_k

@@ -62,7 +62,7 @@ class Batcher:
         self._last_step_s = 0.0
         self.steps = 0
         self.last_tokens = 0  # tokens of the last call (what the speculation policy adds drafts to)
-        self.observers: list = []  # callables (tokens computed in the call, seconds) after each call
+        self.observers: list = []  # callables (tokens computed, seconds, runs used) after each call
         self._seats: set[int] = set()  # slots whose next call is a speculative step
         self.seats = graph.runs
         self._closed = False
@@ -185,7 +185,7 @@ class Batcher:
         seconds = time.perf_counter() - start
         self.last_tokens = tokens
         for observe in self.observers:
-            observe(tokens, seconds)
+            observe(tokens, seconds, len(runs))
         with self._cond:
             self._seats.difference_update(w.slot for w in work)
         for w in work:

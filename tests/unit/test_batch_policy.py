@@ -42,6 +42,17 @@ def test_other_rows_drafts_in_the_call_make_a_row_draft_less():
     assert policy.draft_size(4, 4, rate=0.5, most=8) > policy.draft_size(4, 30, rate=0.5, most=8)
 
 
+def test_a_runs_own_cost_makes_a_row_draft_only_for_more_tokens():
+    """A speculative row is a run of its own in the call: its measured extra cost (a call's time
+    beyond as many decode rows' tokens) is paid once per step, so low acceptance stops paying."""
+    costs = cpu_like_costs()
+    costs.observe(6, costs.call_s(6) + 0.010, runs=1, replace=True)
+    assert np.isclose(costs.run_s, 0.010)
+    cheap, dear = SpeculationPolicy(cpu_like_costs()), SpeculationPolicy(costs)
+    assert dear.draft_size(4, 4, rate=0.3, most=8) < cheap.draft_size(4, 4, rate=0.3, most=8)
+    assert dear.draft_size(1, 1, rate=0.9, most=8) > 0
+
+
 def test_costs_interpolate_between_measured_sizes():
     costs = cpu_like_costs()
     assert np.isclose(costs.call_s(3), (costs.call_s(2) + costs.call_s(4)) / 2)
