@@ -2,13 +2,16 @@
 
     python -m specdeploy.bench.loadtest_batching build/export/batched --clients 1 4 16 --batch 16
 
-For each server configuration (today's pool of instances; `--batch N` with load-adaptive
-speculation; `--batch N` decoding plainly) it starts `specdeploy serve`, then for each
-client count runs that many closed-loop clients, each sending `--requests` streamed
-completions (mixed methods, greedy and seeded, short and long prompts), and prints one
-JSON line: throughput (completion tokens per second of wall time), time to first token and
-inter-token latency p50/p95, and the load average before and after. The export needs the
-batched graph (python -m specdeploy.export.batched_graph EXPORT).
+It starts `specdeploy serve` once per server configuration (today's pool of instances;
+`--batch N` with load-adaptive speculation; `--batch N` decoding plainly), all at once, then
+for each client count and each configuration in turn (so the configurations' runs are
+minutes apart, not a whole pass: on a shared machine the load drifts) runs that many
+closed-loop clients, each sending `--requests` streamed completions (mixed methods, greedy
+and seeded, short and long prompts), and prints one JSON line: throughput (completion
+tokens per second of wall time), time to first token and inter-token latency p50/p95, and
+the load average before and after. `--rounds R` repeats the whole sweep (configurations in
+reverse order every other round). The export needs the batched graph (python -m
+specdeploy.export.batched_graph EXPORT).
 """
 
 from __future__ import annotations
@@ -144,20 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=["pool", "batch", "batch-plain"])
+    ap.add_argument("--rounds", type=int, default=1, help="sweeps over client counts and configurations")
     args = ap.parse_args(argv)
     queue = str(max(args.clients) * 2)
     configs = {"pool": (["--pool-size", str(args.pool_size), "--queue", queue], SPEC_METHODS),
                "batch": (["--batch", str(args.batch), "--queue", queue], SPEC_METHODS),
                "batch-plain": (["--batch", str(args.batch), "--queue", queue], ["ar"])}
-    for name in args.configs:
-        server_args, methods = configs[name]
-        server = Server(args.export, server_args)
-        try:
-            run_load(server.url, args.export.name, 1, 1, methods, 4)  # warm-up
+    servers: dict[str, Server] = {}
+    try:
+        for name in args.configs:
+            servers[name] = Server(args.export, configs[name][0])
+            run_load(servers[name].url, args.export.name, 1, 1, configs[name][1], 4)  # warm-up
+        for round_ in range(args.rounds):
             for clients in args.clients:
-                row = run_load(server.url, args.export.name, clients, args.requests, methods, args.max_tokens)
-                print(json.dumps({"config": name, "server": " ".join(server_args), **row}), flush=True)
-        finally:
+                for name in args.configs if round_ % 2 == 0 else args.configs[::-1]:
+                    server_args, methods = configs[name]
+                    row = run_load(servers[name].url, args.export.name, clients, args.requests, methods,
+                                   args.max_tokens)
+                    print(json.dumps({"config": name, "server": " ".join(server_args), "round": round_, **row}),
+                          flush=True)
+    finally:
+        for server in servers.values():
             server.stop()
     return 0
 

@@ -5,12 +5,13 @@ step adds one token to the call, a speculative step of k drafts adds k + 1. A ro
 with k drafts when the tokens it adds are worth what the call's time grows by, at the batch's
 current rate of tokens per second:
 
-    (E(k) - 1) * call(n) / n  >  call(N + k) - call(N) + run
+    (E(k) - 1) * call(n) / n  >  k * token + run
 
-call(N): seconds of a call of N tokens as decode rows; run: what a row's tokens cost more as a
-run of their own (its attention node beside the decode rows', graph.py) than as decode rows;
-both measured (`CostModel`: at start-up by `calibrate`, then every call the scheduler runs);
-n: the rows running; N: the tokens of the batch's last call (at least n). E(k): the tokens a
+call(N): seconds of a call of N tokens as decode rows; token: the slope of a line fitted to
+those times (one noisy timing never makes a draft look free); run: what a row's tokens cost
+more as a run of their own (its attention node beside the decode rows', graph.py) than as
+decode rows; all measured (`CostModel`: at start-up by `calibrate`, then every call the
+scheduler runs); n: the rows running. E(k): the tokens a
 step of k drafts yields, from the row's measured acceptance (a per-draft rate: drafts
 accepted over drafts accepted plus steps cut short, the method's rate over all rows as the
 prior). With one row this is the batch-1 rule (speculate while tokens per second beat plain
@@ -93,6 +94,14 @@ class CostModel:
         with self._lock:
             return self._interpolate(self.calls, tokens) if tokens > 0 else 0.0
 
+    def token_s(self) -> float:
+        """Seconds a token adds to a call: the least-squares slope over the call sizes measured."""
+        with self._lock:
+            if len(self.calls) < 2:
+                return 0.0
+            x, y = np.array(list(self.calls)), np.array(list(self.calls.values()))
+        return max(0.0, float(np.polyfit(x, y, 1)[0]))
+
 
 class Acceptance:
     """Drafts accepted and steps cut short (a draft rejected) over speculative steps."""
@@ -129,19 +138,17 @@ class SpeculationPolicy:
         self.methods: dict[str, Acceptance] = {}
         self._lock = threading.Lock()
 
-    def draft_size(self, rows: int, tokens: int, rate: float, most: int) -> int:
-        """Drafts for a row's next step (0: plain) with `rows` rows running and the batch's last
-        call of `tokens` tokens, at most `most`."""
+    def draft_size(self, rows: int, rate: float, most: int) -> int:
+        """Drafts for a row's next step (0: plain) with `rows` rows running, at most `most`."""
         if most < 1:
             return 0
         if not self.enabled:
             return most
-        base = max(rows, tokens)
-        now = self.costs.call_s(base)
         per_token = self.costs.call_s(rows) / rows  # seconds per token the batch makes decoding plainly
+        token, run = self.costs.token_s(), self.costs.run_s
         best, best_k = 0.0, 0
         for k in sorted({min(k, most) for k in self.sizes}):
-            gain = (expected_tokens(rate, k) - 1) * per_token - (self.costs.call_s(base + k) - now + self.costs.run_s)
+            gain = (expected_tokens(rate, k) - 1) * per_token - (k * token + run)
             if gain > best:
                 best, best_k = gain, k
         return best_k
@@ -185,7 +192,7 @@ class LoadAwareDrafter(Drafter):
 
     def propose(self, state: DecodeState) -> Proposal:
         rate = self.acceptance.rate(self.policy.prior(self.name))
-        k = self.policy.draft_size(max(1, self.batcher.active), self.batcher.last_tokens, rate, self.most)
+        k = self.policy.draft_size(max(1, self.batcher.active), rate, self.most)
         if k and self.policy.enabled and not self.batcher.take_seat(self.slot):
             k = 0
         if k == 0:

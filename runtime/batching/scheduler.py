@@ -33,6 +33,9 @@ from .kv_slots import SlotKV
 # wait was capped at 5 ms, 33 with this cap).
 GATHER_FRACTION = 0.3
 GATHER_MAX_S = 0.25
+# The past a calibration call's rows attend to (a short prompt and some tokens): the trash row's
+# whole context would make every decode row look as dear as a long one.
+CALIBRATION_PAST = 64
 
 
 @dataclass(eq=False)  # compared by identity: one pending call per row
@@ -61,7 +64,6 @@ class Batcher:
         self._active: set[int] = set()  # slots with a request in progress
         self._last_step_s = 0.0
         self.steps = 0
-        self.last_tokens = 0  # tokens of the last call (what the speculation policy adds drafts to)
         self.observers: list = []  # callables (tokens computed, seconds, runs used) after each call
         self._seats: set[int] = set()  # slots whose next call is a speculative step
         self.seats = graph.runs
@@ -183,7 +185,6 @@ class Batcher:
             for w in work:
                 w.error = exc
         seconds = time.perf_counter() - start
-        self.last_tokens = tokens
         for observe in self.observers:
             observe(tokens, seconds, len(runs))
         with self._cond:
@@ -193,12 +194,13 @@ class Batcher:
         return seconds
 
     def time_call(self, rows: int, tokens: int = 0) -> float:
-        """Seconds of one placeholder call: `rows` decode rows, and a run of `tokens` tokens over
-        slot 0's scratch rows (0: none); for start-up only (it writes trash rows, and scratch
-        rows of slot 0 while slot 0 is empty)."""
-        decodes = [Work(s, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool), self.kv.trash)
-                   for s in range(rows)]
-        runs = [Work(0, np.zeros(tokens, np.int64), np.arange(tokens), np.tril(np.ones((tokens, tokens), bool)), 0)]
+        """Seconds of one placeholder call: `rows` decode rows, and a run of `tokens` tokens
+        (0: none), each at a past of CALIBRATION_PAST rows; for start-up only (it writes scratch
+        rows of empty slots)."""
+        past = min(CALIBRATION_PAST, self.kv.max_context - tokens - 1)
+        decodes = [Work(s, np.zeros(1, np.int64), np.full(1, past), np.ones((1, 1), bool), past) for s in range(rows)]
+        runs = [Work(rows % self.kv.slots, np.zeros(tokens, np.int64), past + np.arange(tokens),
+                     np.tril(np.ones((tokens, tokens), bool)), past)]
         return self._run(decodes, runs if tokens else [])
 
     def _call(self, decodes: list[Work], runs: list[Work]) -> int:

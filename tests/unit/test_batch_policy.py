@@ -20,26 +20,26 @@ def cpu_like_costs() -> CostModel:
 
 def test_speculation_shrinks_to_plain_decoding_as_rows_join():
     policy = SpeculationPolicy(cpu_like_costs())
-    sizes = [policy.draft_size(rows, rows, rate=0.6, most=14) for rows in (1, 2, 4, 8, 16, 32)]
+    sizes = [policy.draft_size(rows, rate=0.6, most=14) for rows in (1, 2, 4, 8, 16, 32)]
     assert sizes[0] > 1 and sizes[-1] == 0
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))
 
 
 def test_draft_size_grows_with_acceptance_and_a_disabled_policy_drafts_all():
     policy = SpeculationPolicy(cpu_like_costs())
-    sizes = [policy.draft_size(1, 1, rate=r, most=14) for r in (0.01, 0.5, 0.9)]
+    sizes = [policy.draft_size(1, rate=r, most=14) for r in (0.01, 0.5, 0.9)]
     assert sizes[0] == 0 and sizes[0] < sizes[1] <= sizes[2]
-    assert SpeculationPolicy(cpu_like_costs(), enabled=False).draft_size(16, 16, 0.05, 14) == 14
+    assert SpeculationPolicy(cpu_like_costs(), enabled=False).draft_size(16, 0.05, 14) == 14
 
 
-def test_other_rows_drafts_in_the_call_make_a_row_draft_less():
-    """The cost of k more tokens is read where the call already is (its last size), so a call
-    that others' drafts made long (past the flat part of the cost curve) takes fewer."""
-    costs = CostModel()
-    for tokens, seconds in ((1, 0.020), (8, 0.022), (16, 0.030), (64, 0.120)):
-        costs.observe(tokens, seconds)
-    policy = SpeculationPolicy(costs)
-    assert policy.draft_size(4, 4, rate=0.5, most=8) > policy.draft_size(4, 30, rate=0.5, most=8)
+def test_a_noisy_timing_never_makes_drafts_look_free():
+    """A token's cost is the slope of a line through every call size's time, so one call timed
+    faster than a smaller one (load on a shared machine) does not make drafting free."""
+    costs = cpu_like_costs()
+    costs.observe(13, 0.030, replace=True)  # below the 8-token call's time
+    assert np.isclose(costs.token_s(), np.polyfit(list(costs.calls), list(costs.calls.values()), 1)[0])
+    assert costs.token_s() > 0.001
+    assert SpeculationPolicy(costs).draft_size(12, rate=0.05, most=8) == 0
 
 
 def test_a_runs_own_cost_makes_a_row_draft_only_for_more_tokens():
@@ -49,8 +49,8 @@ def test_a_runs_own_cost_makes_a_row_draft_only_for_more_tokens():
     costs.observe(6, costs.call_s(6) + 0.010, runs=1, replace=True)
     assert np.isclose(costs.run_s, 0.010)
     cheap, dear = SpeculationPolicy(cpu_like_costs()), SpeculationPolicy(costs)
-    assert dear.draft_size(4, 4, rate=0.3, most=8) < cheap.draft_size(4, 4, rate=0.3, most=8)
-    assert dear.draft_size(1, 1, rate=0.9, most=8) > 0
+    assert dear.draft_size(4, rate=0.3, most=8) < cheap.draft_size(4, rate=0.3, most=8)
+    assert dear.draft_size(1, rate=0.9, most=8) > 0
 
 
 def test_costs_interpolate_between_measured_sizes():
