@@ -148,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=["pool", "batch", "batch-plain"])
     ap.add_argument("--rounds", type=int, default=1, help="sweeps over client counts and configurations")
+    ap.add_argument("--methods", nargs="+", default=SPEC_METHODS,
+                    help="methods the pool and the adaptive batch cycle through (batch-plain: ar)")
     args = ap.parse_args(argv)
     queue = str(max(args.clients) * 2)
-    configs = {"pool": (["--pool-size", str(args.pool_size), "--queue", queue], SPEC_METHODS),
-               "batch": (["--batch", str(args.batch), "--queue", queue], SPEC_METHODS),
+    configs = {"pool": (["--pool-size", str(args.pool_size), "--queue", queue], args.methods),
+               "batch": (["--batch", str(args.batch), "--queue", queue], args.methods),
                "batch-plain": (["--batch", str(args.batch), "--queue", queue], ["ar"])}
     servers: dict[str, Server] = {}
     try:
