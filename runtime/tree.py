@@ -62,6 +62,32 @@ class Tree:
                 m[i] |= m[self.parents[i]]
         return m
 
+    @cached_property
+    def chain_rows(self) -> int:
+        """Nodes 0..k-1 form the tree's leading chain (parents[i] == i - 1): their rows see their
+        ancestors as one contiguous run from the root, exactly as in sequential decoding."""
+        k = 1
+        while k < self.size and self.parents[k] == k - 1:
+            k += 1
+        return k
+
+    @cached_property
+    def preorder(self) -> tuple[int, ...]:
+        """Node ids in depth-first order, children in id order: the first-listed (drafters list
+        their likeliest first) child of each node on the leading chain follows it directly."""
+        order, stack = [], [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(self.children[node]))
+        return tuple(order)
+
+    def reordered(self, order) -> "Tree":
+        """The same tree with node order[r] as node r (order: a preorder, so parents precede)."""
+        where = {node: r for r, node in enumerate(order)}
+        ranks = tuple(self.ranks[n] for n in order) if self.ranks else ()
+        return Tree(parents=tuple(-1 if n == 0 else where[self.parents[n]] for n in order), ranks=ranks)
+
     def path_to(self, node: int) -> list[int]:
         path = []
         while node != -1:

@@ -20,6 +20,14 @@ distributed exactly as the target's own sampling distribution:
   accept x with p(x); on rejection p(x) <- 0 and renormalize.
 When every child is rejected, or the node is a leaf, the next token is drawn
 from the current (residual) p: the bonus token.
+
+`exact_rows` k: only rows 0..k-1 (the tree's leading chain) are trusted to equal
+sequential decoding bit for bit. A row whose ancestors are not one contiguous run
+from the root is computed with a different summation order (masked columns between
+them): ulps in float32, whole logits once activations are quantized to int8. An
+accepted child outside the chain is emitted as the next token (its parent's row,
+which chose it, is exact) but not followed, so every emitted token comes from an
+exact row; the distribution of each token is unchanged.
 """
 
 from __future__ import annotations
@@ -42,28 +50,31 @@ class Verdict:
         return len(self.path) - 1
 
 
-def _follow(tree: Tree, tokens: np.ndarray, target_token) -> Verdict:
-    """Accept the child whose token is the target's own choice at its parent, while there is one."""
+def _follow(tree: Tree, tokens: np.ndarray, target_token, exact_rows: int | None) -> Verdict:
+    """Accept the child whose token is the target's own choice at its parent, while there is one
+    (and its row is exact: see the module docstring)."""
     node, path = 0, [0]
+    last = tree.size if exact_rows is None else exact_rows
     while True:
         want = target_token(node)
         nxt = next((c for c in tree.children[node] if tokens[c] == want), None)
-        if nxt is None:
+        if nxt is None or nxt >= last:
             return Verdict(path, want)
         node = nxt
         path.append(node)
 
 
-def verify_greedy(tree: Tree, tokens: np.ndarray, logits: np.ndarray) -> Verdict:
-    return _follow(tree, tokens, lambda node: int(np.argmax(logits[node])))
+def verify_greedy(tree: Tree, tokens: np.ndarray, logits: np.ndarray, exact_rows: int | None = None) -> Verdict:
+    return _follow(tree, tokens, lambda node: int(np.argmax(logits[node])), exact_rows)
 
 
 def verify_seeded(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams,
-                  noise: PositionNoise, root: int) -> Verdict:
+                  noise: PositionNoise, root: int, exact_rows: int | None = None) -> Verdict:
     """`root`: the root's absolute sequence index (the committed length minus one)."""
     noise.release(root + 1)  # committed indices: drafts and verification only read later ones
     depth = tree.depth
-    return _follow(tree, tokens, lambda node: noise.sample(params.probs(logits[node]), root + 1 + int(depth[node])))
+    return _follow(tree, tokens, lambda node: noise.sample(params.probs(logits[node]), root + 1 + int(depth[node])),
+                   exact_rows)
 
 
 def verify_sampling(
@@ -73,9 +84,11 @@ def verify_sampling(
     params: SamplingParams,
     rng: np.random.Generator,
     draft_probs: np.ndarray | None = None,
+    exact_rows: int | None = None,
 ) -> Verdict:
     """`draft_probs[c]` is the distribution child c's token was drawn from (None: deterministic drafts)."""
     node, path = 0, [0]
+    last = tree.size if exact_rows is None else exact_rows
     while True:
         p = params.probs(logits[node])
         advanced = False
@@ -87,6 +100,8 @@ def verify_sampling(
                 q = draft_probs[child]
                 accept = q[x] > 0 and rng.random() < min(1.0, p[x] / q[x])
             if accept:
+                if child >= last:  # drawn exactly from this node's p; its own row is not exact
+                    return Verdict(path, x)
                 node, advanced = child, True
                 path.append(node)
                 break
@@ -104,10 +119,10 @@ def verify_sampling(
 
 
 def verify(tree, tokens, logits, params: SamplingParams, rng, draft_probs=None,
-           noise: PositionNoise | None = None, root: int = 0) -> Verdict:
+           noise: PositionNoise | None = None, root: int = 0, exact_rows: int | None = None) -> Verdict:
     """Greedy, else seeded when given the request's noise (draft_probs unused), else rejection sampling."""
     if params.greedy:
-        return verify_greedy(tree, tokens, logits)
+        return verify_greedy(tree, tokens, logits, exact_rows)
     if noise is not None:
-        return verify_seeded(tree, tokens, logits, params, noise, root)
-    return verify_sampling(tree, tokens, logits, params, rng, draft_probs)
+        return verify_seeded(tree, tokens, logits, params, noise, root, exact_rows)
+    return verify_sampling(tree, tokens, logits, params, rng, draft_probs, exact_rows)

@@ -134,6 +134,32 @@ def test_rows_are_identical_from_any_call_size(quantized):
     np.testing.assert_array_equal(one[0], calls[2][0])
 
 
+def test_a_trees_leading_chain_is_sequential_decoding(quantized, micro_export):
+    """A tree row whose ancestors are not one run from the root sums in another order; int8
+    activations turn that into whole logits (SmolLM2 int8: up to 0.7). So a quantized target's
+    verification follows only the leading chain, whose rows equal a plain chain call bit for bit
+    whatever siblings follow (runtime/verify.py, exact_rows; the tree runs in preorder)."""
+    from specdeploy.runtime.generate import exact_rows_only
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.tree import Tree
+
+    _, out, _ = quantized
+    export = LoadedExport(out)
+    assert exact_rows_only(export) and not exact_rows_only(LoadedExport(micro_export))
+    target = export.decoder("target")
+    ids = np.array(export.tokenizer.encode("\n".join(PROMPTS))[:12])
+
+    def call(tree, tokens):
+        target.reset()
+        target.prefill(ids[:4], 64)
+        return target.forward(np.asarray(tokens), 4 + tree.depth, tree.mask).logits.copy()
+
+    chain = call(Tree.chain(3), ids[4:8])
+    tree = Tree(parents=(-1, 0, 1, 2, 0, 4, 1))  # the chain, then a second branch and a sibling
+    assert tree.chain_rows == 4
+    np.testing.assert_array_equal(call(tree, [*ids[4:8], 7, 8, 9])[:4], chain)
+
+
 def test_decoding_to_the_context_end(quantized):
     """A quantized target stops at the context end ("length") without a one-row graph, every
     method alike."""

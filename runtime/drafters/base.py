@@ -33,6 +33,16 @@ class Proposal:
         """Tokens in the target call: tree nodes plus auxiliary tokens."""
         return self.tree.size + (0 if self.aux_tokens is None else len(self.aux_tokens))
 
+    def reordered(self, order) -> "Proposal":
+        """The same candidates with tree node order[r] as node r (aux rows unchanged, after the tree)."""
+        idx = np.asarray(order, dtype=np.int64)
+        aux_mask = self.aux_mask
+        if aux_mask is not None:
+            aux_mask = np.concatenate([aux_mask[:, idx], aux_mask[:, self.tree.size:]], axis=1)
+        return Proposal(self.tree.reordered(order), self.tokens[idx],
+                        None if self.draft_probs is None else self.draft_probs[idx],
+                        self.aux_tokens, self.aux_positions, aux_mask)
+
     def packed(self, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens, positions, mask) of the one target call; the root sits at position `start`.
 

@@ -70,3 +70,46 @@ def test_seeded_follows_the_child_that_is_the_targets_own_sample():
         v = verify(tree, np.array([9, other, (first + 2) % VOCAB, *deeper]), logits, params, None,
                    noise=PositionNoise(seed), root=root)
         assert v.path == [0] and v.next_token == first  # nothing matched: the bonus is the root's own draw
+
+
+def test_exact_rows_emit_an_off_chain_match_but_do_not_follow_it():
+    """A quantized target's rows outside the tree's leading chain are not sequential decoding's
+    (verify.py): the accepted off-chain child becomes the next token, and its subtree is ignored."""
+    tree = Tree(parents=(-1, 0, 1, 0, 3))  # leading chain 0-1-2; 3 (a sibling of 1) -> 4
+    assert tree.chain_rows == 3
+    tokens = np.array([9, 3, 4, 5, 6])
+    logits = logits_preferring(5, 4, 1, 6, 2)
+    assert verify_greedy(tree, tokens, logits).path == [0, 3, 4]  # every row trusted
+    v = verify_greedy(tree, tokens, logits, exact_rows=tree.chain_rows)
+    assert v.path == [0] and v.next_token == 5  # node 3's token, from the root's exact row
+    v = verify_greedy(tree, tokens, logits_preferring(3, 4, 1, 0, 0), exact_rows=tree.chain_rows)
+    assert v.path == [0, 1, 2] and v.next_token == 1  # along the chain nothing changes
+    # sampling: whatever the scheme, an emitted token comes from a trusted row
+    params = SamplingParams(temperature=1.0)
+    for seed in range(20):
+        for kwargs in ({"noise": PositionNoise(seed), "root": 30}, {}):
+            v = verify(tree, tokens, np.log(np.full((5, VOCAB), 1.0 / VOCAB)) + logits * 3, params,
+                       np.random.default_rng(seed), exact_rows=tree.chain_rows, **kwargs)
+            assert all(node < tree.chain_rows for node in v.path)
+
+
+def test_preorder_puts_each_first_child_after_its_parent():
+    from specdeploy.runtime.drafters.base import Proposal
+    from specdeploy.runtime.generate import in_proposal_order
+    from specdeploy.runtime.decoder import StepOutput
+    from specdeploy.runtime.verify import Verdict
+
+    tree = Tree(parents=(-1, 0, 0, 1, 2, 3))  # breadth-first: root, 1, 2, then their children
+    assert tree.chain_rows == 2 and tree.preorder == (0, 1, 3, 5, 2, 4)
+    flat = tree.reordered(tree.preorder)
+    assert flat.parents == (-1, 0, 1, 2, 0, 4) and flat.chain_rows == 4
+    assert (flat.depth == tree.depth[list(tree.preorder)]).all()
+    aux_mask = np.zeros((1, 7), bool)
+    aux_mask[0, [0, 6]] = True
+    prop = Proposal(tree, np.arange(10, 16), aux_tokens=np.array([99]), aux_positions=np.array([1]), aux_mask=aux_mask)
+    call = prop.reordered(tree.preorder)
+    assert call.tokens.tolist() == [10, 11, 13, 15, 12, 14] and (call.aux_mask == aux_mask).all()
+    rows = np.arange(7, dtype=np.float32)[:, None]  # call row r holds r
+    verdict, out = in_proposal_order(Verdict([0, 1, 2], 7), StepOutput(rows, rows, []), tree.preorder, 7)
+    assert verdict.path == [0, 1, 3]  # the same nodes in the proposal's ids
+    assert out.hidden[:, 0].tolist() == [0, 1, 4, 2, 5, 3, 6]  # node j's row, aux row last
