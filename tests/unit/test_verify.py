@@ -94,9 +94,9 @@ def test_exact_rows_emit_an_off_chain_match_but_do_not_follow_it():
 
 
 def test_preorder_puts_each_first_child_after_its_parent():
+    from specdeploy.runtime.decoder import StepOutput
     from specdeploy.runtime.drafters.base import Proposal
     from specdeploy.runtime.generate import in_proposal_order
-    from specdeploy.runtime.decoder import StepOutput
     from specdeploy.runtime.verify import Verdict
 
     tree = Tree(parents=(-1, 0, 0, 1, 2, 3))  # breadth-first: root, 1, 2, then their children
