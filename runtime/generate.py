@@ -240,7 +240,7 @@ def exact_rows_only(export: LoadedExport) -> bool:
     graphs quantize activations to int8 (MatMulNBits) turns a tree row's ulp-level difference from
     sequential decoding into whole logits (measured: up to 0.7 on SmolLM2 int8, 3e-5 in float32)."""
     quantized = export.manifest.quantization
-    return bool(quantized) and "target" in quantized["models"]
+    return quantized is not None and "target" in quantized["models"]
 
 
 def in_proposal_order(verdict: Verdict, out: StepOutput, order: tuple[int, ...], size: int) -> tuple:
