@@ -184,9 +184,11 @@ def plan(opts: BenchOptions, export, quant: dict | None = None) -> tuple[list[tu
     # a quantized llama.cpp row runs beside our export of its precision (their row alone compares nothing)
     precisions = {precision(s, export.manifest.dtype) for s, _ in rows}
     for peer in opts.peers:
-        reason = peer_unavailable(peer, opts, export)
-        if reason is None and peer in OTHER_QUANTIZATION and OTHER_QUANTIZATION[peer] not in precisions:
-            reason = f"no {OTHER_QUANTIZATION[peer]} export of ours beside it (pass --quantized DIR)"
+        # planned before asking whether the peer is installed: the reason holds on any machine
+        if peer in OTHER_QUANTIZATION and OTHER_QUANTIZATION[peer] not in precisions:
+            reason: str | None = f"no {OTHER_QUANTIZATION[peer]} export of ours beside it (pass --quantized DIR)"
+        else:
+            reason = peer_unavailable(peer, opts, export)
         for method in opts.methods:
             if method not in PEER_METHODS[peer]:
                 skipped.append({"system": peer, "method": method, "reason": PEER_GAP[peer].format(method=method)})
