@@ -7,7 +7,8 @@ train/corpus.py, never trained on by the embedded family; or a text file given):
 
 * decoders (target, draft): top-1 agreement, the share of positions where the quantized
   fused graph's argmax equals the float32 portable graph's (the same export's float reference;
-  the portable graphs are never quantized), and perplexity of both on the text;
+  the portable graphs are never quantized), and perplexity of both on the text (a draft with a
+  restricted vocabulary: over the positions whose next token it can score);
 * the EAGLE head: top-1 agreement of its quantized fused graphs with its float32 portable
   ones, both fed the float32 target's features of the same text (as decoding feeds them).
 
@@ -102,30 +103,44 @@ def _run(decoder, window: np.ndarray, chunk: int) -> list:
     return steps
 
 
-def _scores(steps, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(argmax per position, negative log-likelihood of the next token) for all but the last row."""
+def _scores(steps, window: np.ndarray, columns: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax per position, negative log-likelihood of the next token) for all but the last row.
+
+    `columns`: the vocabulary id of each logits column where the model drafts over a restricted
+    vocabulary (draft.draft_vocab); argmax is then a column, and the likelihood is scored only
+    where the next token is one of the columns (the others have no logit to score)."""
     logits = np.concatenate([s.logits for s in steps])[:-1].astype(np.float64)
     top = logits.max(-1, keepdims=True)
     logz = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[:, 0]
-    nll = logz - logits[np.arange(len(logits)), window[1:]]
+    targets = window[1:]
+    if columns is not None:
+        column_of = np.full(max(int(columns.max()), int(targets.max())) + 1, -1, np.int64)
+        column_of[columns] = np.arange(len(columns))
+        targets = column_of[targets]
+    scored = targets >= 0
+    nll = (logz - logits[np.arange(len(logits)), np.maximum(targets, 0)])[scored]
     return logits.argmax(-1), nll
 
 
 def decoder_task(manifest, model: str, ids: list[int], threads: int | None = None) -> TaskResult:
     from ..runtime.backends.ort_decoder import OrtDecoder
+    from ..runtime.drafters.draft_model import draft_vocab_ids
 
     scheme = _scheme(manifest, model)
+    columns = draft_vocab_ids(manifest) if model == "draft" else None
     reference = OrtDecoder(manifest, model, "ort-cpu", threads, fused=False)
     quantized = OrtDecoder(manifest, model, "ort-cpu", threads, fused=True)
     agree, nll_f, nll_q = [], [], []
     for window in _windows(ids, manifest.max_context):
-        top_f, f = _scores(_run(reference, window, manifest.prefill_chunk), window)
-        top_q, q = _scores(_run(quantized, window, manifest.prefill_chunk), window)
+        top_f, f = _scores(_run(reference, window, manifest.prefill_chunk), window, columns)
+        top_q, q = _scores(_run(quantized, window, manifest.prefill_chunk), window, columns)
         agree.append(top_f == top_q)
         nll_f.append(f)
         nll_q.append(q)
     agree, nll_f, nll_q = (np.concatenate(a) for a in (agree, nll_f, nll_q))
     bits = scheme["bits"]
+    if not len(nll_f):  # no next token of the text is in a restricted vocabulary: agreement alone
+        return TaskResult(model, _scheme_name(scheme), len(agree), float(agree.mean()), MIN_TOP1[bits])
     return TaskResult(model, _scheme_name(scheme), len(agree), float(agree.mean()), MIN_TOP1[bits],
                       math.exp(nll_f.mean()), math.exp(nll_q.mean()), MAX_PPL_RATIO[bits])
 

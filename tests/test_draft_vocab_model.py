@@ -144,3 +144,21 @@ def test_the_id_map_is_integrity_checked(export, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecDeployError, match=f"{rel} .models.draft.draft_vocab_file. is not in the files map"):
         load_manifest(copy)
+
+
+def test_task_check_scores_a_quantized_restricted_draft(micro_family, vocab_draft, tmp_path):
+    """The task check maps the text's ids to the draft's columns (it indexed the full vocabulary and
+    crashed) and scores perplexity where the next token is one of them."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.export.quantize import QuantPlan
+    from specdeploy.export.task_check import run_task_check
+    from specdeploy.runtime.manifest import load_manifest
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"max_context: 256\nmethods:\n  draft: {{draft_vocab: {SIZE}}}\n")
+    out = export_all(micro_family / "target", tmp_path / "export", draft=vocab_draft, config=config,
+                     progress=lambda m: None, batched=False, quantize=QuantPlan.from_choices(32, draft="int8"))
+    (result,) = run_task_check(load_manifest(out), tokens=256, threads=1)
+    assert result.model == "draft" and result.tokens == 255
+    assert result.passed, result.line()
+    assert result.ppl_float is not None and 1 < result.ppl_float < SIZE
