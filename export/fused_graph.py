@@ -36,7 +36,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ..runtime.batching.graph import RUNS, SEGMENTS, batched_io, run_kv_name
+from ..runtime.batching.graph import CONTEXT_ROWS, DECODE_TOKENS, RUNS, SEGMENTS, batched_io, run_kv_name
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (
     FEATURES,
@@ -256,14 +256,15 @@ class BatchPlan:
     rows' one GroupQueryAttention (batch D, T = 1, each row its own past length) and one of
     batch 1 per run of several tokens (its own past, tree and buffers: the batch-1 graph's
     call for that row). Their lengths, positions and biases are computed once per call here;
-    each layer slices its q/k/v by them and concatenates the contexts back in token order."""
+    each layer gathers (decode part) or slices (runs) its q/k/v from the call's tokens, and
+    gathers the parts' contexts back into token order (context_rows), so a part without a
+    token of its own (it reads another's) adds no row to the linear layers."""
 
     def __init__(self, b: GraphBuilder, runs: int):
         self.b = b
-        self.zero = b.init("zero_1", np.array([0], np.int64))
         self.axis1 = b.init("axis_1", np.array([1], np.int64))
         (self.rows,) = b.op("Shape", [PAST_LENGTH])  # [1]: D
-        (pos,) = b.op("Slice", [POSITION_IDS, self.zero, self.rows, self.axis1])
+        (pos,) = b.op("Gather", [POSITION_IDS, DECODE_TOKENS], axis=1)
         (self.decode_positions,) = b.op("Reshape", [pos, b.init("rows_by_1", np.array([-1, 1], np.int64))])
         (past32,) = b.op("Cast", [PAST_LENGTH], to=TensorProto.INT32)
         (total1,) = b.op("Add", [past32, b.init("one_i32", np.array([1], np.int32))])
@@ -308,7 +309,7 @@ class BatchPlan:
         kv_names = (past_name(layer, KEY), past_name(layer, VALUE))
         present_names_ = (present_name(layer, KEY), present_name(layer, VALUE))
         rows_shape = b.init("rows_tokens", np.array([-1, 1, 0], np.int64))  # [1, D, C] -> [D, 1, C]
-        part = [b.op("Reshape", [b.op("Slice", [q, self.zero, self.rows, self.axis1])[0], rows_shape])[0] if q else ""
+        part = [b.op("Reshape", [b.op("Gather", [q, DECODE_TOKENS], axis=1)[0], rows_shape])[0] if q else ""
                 for q in qkv]
         ctx, pk, pv = b.gqa(part, attn, shape, kv_names, self.decode, rope, self.decode_positions)
         b.presents += [(present_names_[0], pk), (present_names_[1], pv)]
@@ -325,7 +326,18 @@ class BatchPlan:
                 b.kv_shapes[name] = [1, shape.kv_heads, f"run{r}_len", shape.head_dim]
             contexts.append(ctx)
         (ctx,) = b.op("Concat", contexts, axis=1)
+        (ctx,) = b.op("Gather", [ctx, CONTEXT_ROWS], axis=1)
         return b.linear(ctx, [attn.o_proj], f"layers.{layer}.o")
+
+    @staticmethod
+    def inputs(runs: int) -> list:
+        """The batched graph's inputs beside input_ids and position_ids, KV buffers aside."""
+        t = TOKENS_DIM
+        return [helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [t, t]),
+                helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [BATCH_DIM]),
+                helper.make_tensor_value_info(SEGMENTS, TensorProto.INT64, [runs, 3]),
+                helper.make_tensor_value_info(DECODE_TOKENS, TensorProto.INT64, [BATCH_DIM]),
+                helper.make_tensor_value_info(CONTEXT_ROWS, TensorProto.INT64, [t])]
 
 
 def check_silu(cfg) -> None:
@@ -405,9 +417,7 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     if batched:
         if feature_layers:
             raise ValueError("the batched graph outputs no layer features")
-        inputs += [helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [t, t]),
-                   helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [BATCH_DIM]),
-                   helper.make_tensor_value_info(SEGMENTS, TensorProto.INT64, [runs, 3])]
+        inputs += BatchPlan.inputs(runs)
         io = batched_io(len(body.layers), runs)
         b.presents.sort(key=lambda present: io.outputs.index(present[0]))  # io's order: decode, then each run
     else:

@@ -77,11 +77,23 @@ def test_every_row_of_a_batched_call_equals_the_row_alone(batched_export):
             np.testing.assert_array_equal(kv[n][s, :, : past + len(ids)], alone[present_of(n)][0, :, : past + len(ids)])
             np.testing.assert_array_equal(kv[n][s, :, past + len(ids) :], before[n][s, :, past + len(ids) :])
     assert at == len(logits)
-    # no decode row and one run (the placeholder row and run are not returned): the same row again
+    # parts with no token of their own return none: no decode row and one run (the same row
+    # again), then decode rows around a slot that takes no part (it writes its trash row only)
     for n in kv:
         kv[n][...] = before[n]
     again, _ = batched.run([], None, runs[:1])
     np.testing.assert_array_equal(again, logits[2 : 2 + tree.size])
+    for n in kv:
+        kv[n][...] = before[n]
+    trash = rows - 1
+    gapped, _ = batched.run([decode[0], trash, (decode[1][0], calls[2][3], calls[2][3])],
+                            {n: v[0:3] for n, v in kv.items()}, [])
+    np.testing.assert_array_equal(gapped[0], logits[0])
+    alone = _run(single, calls[1][0][None], np.array([[calls[2][3]]]), np.ones((1, 1, 1), bool),
+                 np.array([calls[2][3]]), {n: v[2:3].copy() for n, v in before.items()})
+    np.testing.assert_array_equal(gapped[1], alone[LOGITS][0, 0])
+    for n in kv:
+        np.testing.assert_array_equal(kv[n][1, :, :trash], before[n][1, :, :trash])
 
 
 JOBS = [dict(prompt="Once upon a time", method="ar"),

@@ -1,21 +1,26 @@
 """The batched target graph (the manifest's fused_batched record: export/batched_graph.py) and
 its calls: plain decode steps of many rows, speculative steps and prefill chunks in one call.
 
-A call's tokens are laid out flat, input_ids / position_ids [1, N]:
+A call's N tokens are laid out flat, input_ids / position_ids [1, N]: first the decoding
+rows' tokens, one each, then each run's. Attention comes in parts:
 
-* first D decode rows, one token each (past_length [D]): one GroupQueryAttention over their
-  slots' buffers bound as one [D, kv_heads, S, D] view (decode part);
-* then up to SEGMENTS runs of tokens (`segments` [R, 3]: first token, end, past length), each
-  one row of any T with its own tree (tree_mask [N, N], the run's diagonal block) and its own
+* the decode part: D rows of one token (past_length [D]) over their slots' buffers bound as
+  one [D, kv_heads, S, D] view, one GroupQueryAttention of batch D; `decode_tokens` [D] says
+  which of the call's tokens each row reads;
+* then SEGMENTS runs (`segments` [R, 3]: first token, end, past length), each one row of any
+  T with its own tree (tree_mask [N, N], the run's diagonal block) and its own
   [1, kv_heads, S, D] buffers: a GroupQueryAttention of batch 1 per run, the batch-1 graph's
   very call for that row. ONNX Runtime's CPU GroupQueryAttention refuses batch > 1 at T > 1
   with a past ("batch_size must be 1 when sequence_length > 1 and past context is given"), so
-  rows of several tokens each take a run of their own; every linear layer, where the weights
-  are read, runs once over all N tokens (ORT's MatMul computes a row the same for any N).
+  rows of several tokens each take a run of their own;
+* `context_rows` [N]: each token's row among the parts' outputs (decode part, then each run).
 
-The graph writes each row's new KV at its own past length, in place. A run the call does not
-use holds one placeholder token over a small scratch buffer; so does the decode part when no
-row decodes.
+Every linear layer, where the weights are read, runs once over the N tokens (ORT's MatMul
+computes a row the same for any N), so each row's logits and KV are the batch-1 graph's.
+The graph writes each row's new KV at its own past length, in place. A part with no row of
+its own (a slot inside the decode range that takes no part, an unused run, the decode part
+when no row decodes) reads one of the call's tokens and writes it to a trash row: it adds a
+small attention node, never a token to the linear layers.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ from ..manifest import Manifest
 # rows that sit in a call's slot range without taking part write their one token (kv_slots.TRASH).
 EXTRA_ROWS = 1
 SEGMENTS = "segments"  # input [R, 3] int64: each run's first token, end and past length
-# Runs of several tokens one call takes (exported; the graph's inputs say how many). Each unused
-# run costs a placeholder's nodes in every call (SmolLM2, 2 threads: a 1-row decode call took
-# 36.8 ms of CPU with 4 runs against 28.1 for the batch-1 graph), so few.
+DECODE_TOKENS = "decode_tokens"  # input [D] int64: the call token each decode-part row reads
+CONTEXT_ROWS = "context_rows"  # input [N] int64: each token's row among the attention parts' outputs
+# Runs of several tokens one call takes (exported; the graph's inputs say how many). An unused
+# run costs a small attention node per layer in every call, so few.
 RUNS = 2
 
 
@@ -59,7 +65,8 @@ def run_kv_name(run: int, name: str) -> str:
 
 
 def batched_io(num_layers: int, runs: int) -> GraphIO:
-    inputs = [INPUT_IDS, POSITION_IDS, TREE_MASK, PAST_LENGTH, SEGMENTS, *past_names(num_layers)]
+    inputs = [INPUT_IDS, POSITION_IDS, TREE_MASK, PAST_LENGTH, SEGMENTS, DECODE_TOKENS, CONTEXT_ROWS,
+              *past_names(num_layers)]
     outputs = [LOGITS, HIDDEN, *present_names(num_layers)]
     for r in range(runs):
         inputs += [run_kv_name(r, n) for n in past_names(num_layers)]
@@ -102,52 +109,65 @@ class BatchedGraph:
         self.session = open_session(batched_graph_path(manifest), "ort-cpu", threads)
         inputs = {i.name: i.shape for i in self.session.get_inputs()}
         outputs = {o.name: o.shape for o in self.session.get_outputs()}
-        if SEGMENTS not in inputs:
-            raise SpecDeployError(f"{manifest.root} holds a batched target graph from an older specdeploy (one "
-                                  "row per call at T > 1): replace it with "
+        if CONTEXT_ROWS not in inputs:
+            raise SpecDeployError(f"{manifest.root} holds a batched target graph from an older specdeploy (a "
+                                  "placeholder token per unused part of a call): replace it with "
                                   f"`python -m specdeploy.export.batched_graph {manifest.root}`")
         self.vocab, self.hidden = int(outputs[LOGITS][2]), int(outputs[HIDDEN][2])
         self.runs = int(inputs[SEGMENTS][0])
         self.kv_names = [n for n in inputs if is_past(n)]
         _, heads, _, dim = inputs[self.kv_names[0]]
-        # where an unused run (and the decode part with no row decoding) writes its placeholder token
+        # where an unused run (and the decode part with no row decoding) writes its token's KV
         self._scratch = [{n: np.zeros((1, heads, 2, dim), np.float32) for n in self.kv_names}
                          for _ in range(self.runs + 1)]
 
-    def run(self, decode: list[tuple[int, int, int]], decode_kv: dict[str, np.ndarray] | None,
+    def run(self, decode: list[tuple[int, int, int] | int], decode_kv: dict[str, np.ndarray] | None,
             runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [N, vocab], hidden [N, hidden]) of one call, tokens in order: the decode rows'
-        (token, position, past) over `decode_kv` ([D, kv_heads, S, D] views by past_* name; with
-        none, its placeholder row is left out), then each run's; KV written in place."""
+        """(logits [N, vocab], hidden [N, hidden]) of one call's N tokens, in order: each decode
+        row's, then each run's; KV written in place. `decode`: the rows of `decode_kv` ([D,
+        kv_heads, S, D] views by past_* name), each (token, position, past), or a bare past (a
+        trash row) for a row that takes no part; none: the decode part works on a scratch buffer."""
         if len(runs) > self.runs:
             raise ValueError(f"{len(runs)} runs in one call; the graph takes {self.runs}")
+        if not runs and not any(isinstance(row, tuple) for row in decode):
+            raise ValueError("a call needs at least one token")
         ort = self._ort
-        first = 0 if decode else 1  # with no decode rows, the decode part takes a placeholder row
         if not decode:
-            decode, decode_kv = [(0, 0, 0)], self._scratch[-1]
+            decode, decode_kv = [0], self._scratch[-1]
         assert decode_kv is not None
-        used = [*runs, *(Run(np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones((1, 1), bool), 0,
-                             self._scratch[r]) for r in range(len(runs), self.runs))]
-        d = len(decode)
-        n = d + sum(len(r.ids) for r in used)
+        n = sum(isinstance(row, tuple) for row in decode) + sum(len(r.ids) for r in runs)
         ids = np.empty((1, n), np.int64)
         positions = np.empty((1, n), np.int64)
-        mask = np.zeros((n, n), bool)
-        segments = np.empty((self.runs, 3), np.int64)
-        ids[0, :d], positions[0, :d], past = (np.array(c, np.int64) for c in zip(*decode))
-        at = d
-        for r, run in enumerate(used):
+        mask = np.eye(n, dtype=bool)  # a decode token's diagonal: a borrowing unused run reads it
+        segments = np.zeros((self.runs, 3), np.int64)  # unused runs: (0, 1, 0), the first token at past 0
+        segments[:, 1] = 1
+        past = np.zeros(len(decode), np.int64)
+        decode_tokens = np.zeros(len(decode), np.int64)  # rows taking no part read token 0
+        context_rows = np.empty(n, np.int64)
+        at = 0
+        for i, row in enumerate(decode):
+            if isinstance(row, tuple):
+                ids[0, at], positions[0, at], past[i] = row
+                decode_tokens[i], context_rows[at] = at, i
+                at += 1
+            else:
+                past[i] = row
+        rows = len(decode)  # the decode part's outputs come first, then each run's
+        for r, run in enumerate(runs):
             end = at + len(run.ids)
             ids[0, at:end], positions[0, at:end] = run.ids, run.positions
             mask[at:end, at:end] = run.mask
             segments[r] = at, end, run.past
+            context_rows[at:end] = np.arange(rows, rows + end - at)
+            rows += end - at
             at = end
         io = self.session.io_binding()
         for name, value in ((INPUT_IDS, ids), (POSITION_IDS, positions), (TREE_MASK, mask), (PAST_LENGTH, past),
-                            (SEGMENTS, segments)):
+                            (SEGMENTS, segments), (DECODE_TOKENS, decode_tokens), (CONTEXT_ROWS, context_rows)):
             io.bind_cpu_input(name, value)
         keep = []  # OrtValues must outlive the run
-        for prefix, kv in ((None, decode_kv), *((r, run.kv) for r, run in enumerate(used))):
+        run_kv = [*(run.kv for run in runs), *self._scratch[len(runs):self.runs]]  # unused runs: scratch
+        for prefix, kv in ((None, decode_kv), *enumerate(run_kv)):
             for name, buf in kv.items():
                 value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the slots' memory
                 keep.append(value)
@@ -161,5 +181,4 @@ class BatchedGraph:
             keep.append(value)
             io.bind_ortvalue_output(name, value)
         self.session.run_with_iobinding(io)
-        real = n - (self.runs - len(runs))  # without the placeholder tokens
-        return logits[0, first:real], hidden[0, first:real]
+        return logits[0], hidden[0]

@@ -5,8 +5,8 @@ Each row (a request's generation on its own thread, runtime/generate.py) submits
 calls here and waits. A step of the scheduler gathers what the rows have submitted, waiting
 a short window for rows still busy with their host work (verification, sampling, streaming),
 then runs them as one call of the batched graph (graph.py): every row that asked for a plain
-decode step as a decode row (rows in the slot range that did not ask write a placeholder
-token to their slot's trash row), and every call of several tokens (a speculative step, a
+decode step as a decode row (rows in the slot range that did not ask write to their slot's
+trash row, at no token's cost), and every call of several tokens (a speculative step, a
 prefill chunk) as a run, up to the graph's runs per call (more take further calls). At most
 one prefill chunk joins a step while other rows decode, so a long prompt delays running rows
 by one chunk per step (with no row decoding, one chunk of every row that is prefilling).
@@ -206,19 +206,20 @@ class Batcher:
     def _call(self, decodes: list[Work], runs: list[Work]) -> int:
         """One call of the batched graph: `decodes` as decode rows over their slot range (slots in
         between write to the trash row), `runs` as runs; returns the tokens it computed."""
-        rows: list[tuple[int, int, int]] = []
+        rows: list[tuple[int, int, int] | int] = []
         views = None
+        decodes = sorted(decodes, key=lambda w: w.slot)  # the graph returns decode tokens in slot order
         if decodes:
-            lo, hi = min(w.slot for w in decodes), max(w.slot for w in decodes) + 1
-            rows = [(0, 0, self.kv.trash)] * (hi - lo)
+            lo, hi = decodes[0].slot, decodes[-1].slot + 1
+            rows = [self.kv.trash] * (hi - lo)
             for w in decodes:
                 rows[w.slot - lo] = (int(w.ids[0]), int(w.positions[0]), w.past)
             views = self.kv.views(lo, hi)
         logits, hidden = self.graph.run(rows, views, [Run(w.ids, w.positions, w.mask, w.past,
                                                           self.kv.views(w.slot, w.slot + 1)) for w in runs])
-        for w in decodes:
-            w.logits, w.hidden = logits[w.slot - lo : w.slot - lo + 1], hidden[w.slot - lo : w.slot - lo + 1]
-        at = len(rows)
+        for at, w in enumerate(decodes):
+            w.logits, w.hidden = logits[at : at + 1], hidden[at : at + 1]
+        at = len(decodes)
         for w in runs:
             w.logits, w.hidden = logits[at : at + w.tokens], hidden[at : at + w.tokens]
             at += w.tokens
