@@ -4,14 +4,20 @@
 
 It starts `specdeploy serve` once per server configuration (today's pool of instances;
 `--batch N` with load-adaptive speculation; `--batch N` decoding plainly), all at once, then
-for each client count and each configuration in turn (so the configurations' runs are
+for each prompt mix, client count and configuration in turn (so the configurations' runs are
 minutes apart, not a whole pass: on a shared machine the load drifts) runs that many
-closed-loop clients, each sending `--requests` streamed completions (mixed methods, greedy
-and seeded, short and long prompts), and prints one JSON line: throughput (completion
-tokens per second of wall time), time to first token and inter-token latency p50/p95, and
-the load average before and after. `--rounds R` repeats the whole sweep (configurations in
-reverse order every other round). The export needs the batched graph (python -m
+closed-loop clients, each sending `--requests` streamed completions (the methods cycled,
+greedy and seeded alternately, prompts cycled through the mix), and prints one JSON line:
+throughput (completion tokens per second of wall time), time to first token and inter-token
+latency p50/p95, tokens per target call (the server's acceptance length, over all requests),
+and the load average before and after. `--rounds R` repeats the whole sweep (configurations
+in reverse order every other round). The export needs the batched graph (python -m
 specdeploy.export.batched_graph EXPORT).
+
+Mixes (`--mixes`): `toy`, a few short prompts and one long one; `chat`, `grounded` and `code`,
+the bench's shipped held-out prompt sets (bench/prompts: chat questions; summarize / correct /
+edit a given text or function, the answer mostly in the prompt; Python functions to continue);
+`mixed`, those three interleaved (prompts of 20 to 210 tokens).
 """
 
 from __future__ import annotations
@@ -26,11 +32,28 @@ import threading
 import time
 from pathlib import Path
 
+from .prompts import PROMPT_DIR, load_items
+
 SHORT = ["Once upon a time", "def fibonacci(n):\n    ", "The capital of France is", "List three colors: red,"]
 LONG = ("Summarize the following notes. The meeting covered the budget, the hiring plan and the release "
         "schedule. The budget for the next quarter stays flat, the hiring plan adds two engineers, and the "
         "release moves by one week because the test suite found a regression in the parser. ") * 3
-SPEC_METHODS = ["ar", "prompt-lookup", "suffix"]
+SPEC_METHODS = ["prompt-lookup", "suffix", "eagle", "medusa"]
+SETS = ("chat", "grounded", "code")
+
+
+def mix_prompts(mix: str) -> list[dict]:
+    """The request bodies' prompt part of a mix, in the order clients cycle through them:
+    {"prompt": text} (a completion) or {"messages": [...]} (a chat completion)."""
+    if mix == "toy":
+        return [{"prompt": p} for p in SHORT[:3]] + [{"prompt": LONG}]
+    if mix == "mixed":
+        sets = [mix_prompts(name) for name in SETS]
+        return [p for group in zip(*sets) for p in group]
+    items = load_items(PROMPT_DIR / f"{mix}.jsonl")
+    return [{"prompt": item["prompt"]} if "prompt" in item else
+            {"messages": ([{"role": "system", "content": item["system"]}] if item.get("system") else [])
+             + [{"role": "user", "content": item["chat"]}]} for item in items]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -84,17 +107,27 @@ def one_request(url: str, model: str, job: dict, out: dict, lock: threading.Lock
 
     t0 = time.perf_counter()
     stamps: list[float] = []
+    stats: dict = {}
+    path = "/v1/chat/completions" if "messages" in job else "/v1/completions"
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, **job}
     with httpx.Client(timeout=600) as http:
-        with http.stream("POST", f"{url}/v1/completions", json={"model": model, "stream": True, **job}) as r:
+        with http.stream("POST", f"{url}{path}", json=body) as r:
             if r.status_code != 200:
                 with lock:
                     out["errors"] += 1
                 return
             for line in r.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("specdeploy"):
+                    stats = chunk["specdeploy"]
+                choice = chunk["choices"][0] if chunk["choices"] else {}
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     stamps.append(time.perf_counter())
     with lock:
         out["tokens"] += job["max_tokens"]  # ignore_eos: every request runs to max_tokens
+        out["target_calls"] += stats.get("target_calls", 0)
         if stamps:
             out["ttft"].append(stamps[0] - t0)
             # a streamed chunk may carry several tokens (a speculative step): spread its gap over them
@@ -103,23 +136,24 @@ def one_request(url: str, model: str, job: dict, out: dict, lock: threading.Lock
             out["itl"].extend(gaps if len(stamps) >= job["max_tokens"] else [per_token] * (job["max_tokens"] - 1))
 
 
-def jobs_for(client: int, requests: int, methods: list[str], max_tokens: int) -> list[dict]:
+def jobs_for(client: int, requests: int, methods: list[str], max_tokens: int, prompts: list[dict],
+             greedy: bool) -> list[dict]:
     jobs = []
     for i in range(requests):
         k = client * requests + i
-        prompt = LONG if k % 4 == 3 else SHORT[k % len(SHORT)]
-        sampled = k % 2 == 1
-        jobs.append({"prompt": prompt, "max_tokens": max_tokens, "method": methods[k % len(methods)],
+        sampled = k % 2 == 1 and not greedy
+        jobs.append({**prompts[k % len(prompts)], "max_tokens": max_tokens, "method": methods[k % len(methods)],
                      "ignore_eos": True, "temperature": 0.7 if sampled else 0.0, **({"seed": k} if sampled else {})})
     return jobs
 
 
-def run_load(url: str, model: str, clients: int, requests: int, methods: list[str], max_tokens: int) -> dict:
-    out: dict = {"tokens": 0, "errors": 0, "ttft": [], "itl": []}
+def run_load(url: str, model: str, clients: int, requests: int, methods: list[str], max_tokens: int,
+             prompts: list[dict], greedy: bool = False) -> dict:
+    out: dict = {"tokens": 0, "errors": 0, "target_calls": 0, "ttft": [], "itl": []}
     lock = threading.Lock()
 
     def client(c: int) -> None:
-        for job in jobs_for(c, requests, methods, max_tokens):
+        for job in jobs_for(c, requests, methods, max_tokens, prompts, greedy):
             one_request(url, model, job, out, lock)
 
     load0 = os.getloadavg()[0]
@@ -135,6 +169,7 @@ def run_load(url: str, model: str, clients: int, requests: int, methods: list[st
             "ttft_p50_s": round(percentile(out["ttft"], 0.5), 3), "ttft_p95_s": round(percentile(out["ttft"], 0.95), 3),
             "itl_p50_ms": round(1000 * percentile(out["itl"], 0.5), 1),
             "itl_p95_ms": round(1000 * percentile(out["itl"], 0.95), 1),
+            "tokens_per_call": round(out["tokens"] / out["target_calls"], 2) if out["target_calls"] else None,
             "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
 
 
@@ -150,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="sweeps over client counts and configurations")
     ap.add_argument("--methods", nargs="+", default=SPEC_METHODS,
                     help="methods the pool and the adaptive batch cycle through (batch-plain: ar)")
+    ap.add_argument("--mixes", nargs="+", default=["mixed"], choices=["toy", "mixed", *SETS])
+    ap.add_argument("--greedy", action="store_true", help="every request greedy (default: every other seeded)")
     args = ap.parse_args(argv)
     queue = str(max(args.clients) * 2)
     configs = {"pool": (["--pool-size", str(args.pool_size), "--queue", queue], args.methods),
@@ -159,15 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.configs:
             servers[name] = Server(args.export, configs[name][0])
-            run_load(servers[name].url, args.export.name, 1, 1, configs[name][1], 4)  # warm-up
+            methods = configs[name][1]  # warm-up: every method's graphs opened
+            run_load(servers[name].url, args.export.name, 1, len(methods), methods, 4, mix_prompts("toy"))
         for round_ in range(args.rounds):
-            for clients in args.clients:
-                for name in args.configs if round_ % 2 == 0 else args.configs[::-1]:
-                    server_args, methods = configs[name]
-                    row = run_load(servers[name].url, args.export.name, clients, args.requests, methods,
-                                   args.max_tokens)
-                    print(json.dumps({"config": name, "server": " ".join(server_args), "round": round_, **row}),
-                          flush=True)
+            for mix in args.mixes:
+                prompts = mix_prompts(mix)
+                for clients in args.clients:
+                    for name in args.configs if round_ % 2 == 0 else args.configs[::-1]:
+                        server_args, methods = configs[name]
+                        row = run_load(servers[name].url, args.export.name, clients, args.requests, methods,
+                                       args.max_tokens, prompts, args.greedy)
+                        print(json.dumps({"config": name, "server": " ".join(server_args), "mix": mix,
+                                          "methods": methods, "greedy": args.greedy, "round": round_, **row}),
+                              flush=True)
     finally:
         for server in servers.values():
             server.stop()

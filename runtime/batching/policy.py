@@ -5,13 +5,15 @@ step adds one token to the call, a speculative step of k drafts adds k + 1. A ro
 with k drafts when the tokens it adds are worth what the call's time grows by, at the batch's
 current rate of tokens per second:
 
-    (E(k) - 1) * call(n) / n  >  k * token + run
+    (E(k) - 1) * call(n) / n  >  k * token + run + draft
 
 call(N): seconds of a call of N tokens as decode rows; token: the slope of a line fitted to
 those times (one noisy timing never makes a draft look free); run: what a row's tokens cost
 more as a run of their own (its attention node beside the decode rows', graph.py) than as
 decode rows; all measured (`CostModel`: at start-up by `calibrate`, then every call the
-scheduler runs); n: the rows running. E(k): the tokens a
+scheduler runs); draft: the method's measured time to propose (an EAGLE or draft model's
+calls run on the same cores as the target's, and the row is not ready for the call until it
+is done); n: the rows running. E(k): the tokens a
 step of k drafts yields, from the row's measured acceptance (a per-draft rate: drafts
 accepted over drafts accepted plus steps cut short, the method's rate over all rows as the
 prior). With one row this is the batch-1 rule (speculate while tokens per second beat plain
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 
 import numpy as np
 
@@ -136,10 +139,12 @@ class SpeculationPolicy:
         self.costs, self.enabled = costs, enabled
         self.sizes = DRAFT_SIZES  # draft sizes it weighs
         self.methods: dict[str, Acceptance] = {}
+        self.draft_times: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def draft_size(self, rows: int, rate: float, most: int) -> int:
-        """Drafts for a row's next step (0: plain) with `rows` rows running, at most `most`."""
+    def draft_size(self, rows: int, rate: float, most: int, draft_s: float = 0.0) -> int:
+        """Drafts for a row's next step (0: plain) with `rows` rows running, at most `most`;
+        `draft_s`: seconds its drafter takes to propose."""
         if most < 1:
             return 0
         if not self.enabled:
@@ -148,7 +153,7 @@ class SpeculationPolicy:
         token, run = self.costs.token_s(), self.costs.run_s
         best, best_k = 0.0, 0
         for k in sorted({min(k, most) for k in self.sizes}):
-            gain = (expected_tokens(rate, k) - 1) * per_token - (k * token + run)
+            gain = (expected_tokens(rate, k) - 1) * per_token - (k * token + run + draft_s)
             if gain > best:
                 best, best_k = gain, k
         return best_k
@@ -156,6 +161,16 @@ class SpeculationPolicy:
     def observe(self, method: str, accepted: int, cut: bool) -> None:
         with self._lock:
             self.methods.setdefault(method, Acceptance()).add(accepted, cut)
+
+    def observe_draft(self, method: str, seconds: float) -> None:
+        """A proposal's time (the method's average, over all rows)."""
+        with self._lock:
+            old = self.draft_times.get(method)
+            self.draft_times[method] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def draft_s(self, method: str) -> float:
+        """Seconds the method takes to propose (0 until measured: a method drafts once to learn it)."""
+        return self.draft_times.get(method, 0.0)
 
     def prior(self, method: str) -> Acceptance | None:
         return self.methods.get(method)
@@ -192,12 +207,15 @@ class LoadAwareDrafter(Drafter):
 
     def propose(self, state: DecodeState) -> Proposal:
         rate = self.acceptance.rate(self.policy.prior(self.name))
-        k = self.policy.draft_size(max(1, self.batcher.active), rate, self.most)
+        k = self.policy.draft_size(max(1, self.batcher.active), rate, self.most, self.policy.draft_s(self.name))
         if k and self.policy.enabled and not self.batcher.take_seat(self.slot):
             k = 0
         if k == 0:
             return Proposal.root_only(state.tokens[-1])
-        return truncated(self.inner.propose(state), k)
+        start = time.perf_counter()
+        proposal = self.inner.propose(state)
+        self.policy.observe_draft(self.name, time.perf_counter() - start)
+        return truncated(proposal, k)
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
         if proposal.size > 1 and proposal.aux_tokens is None:

@@ -53,6 +53,20 @@ def test_a_runs_own_cost_makes_a_row_draft_only_for_more_tokens():
     assert dear.draft_size(1, rate=0.9, most=8) > 0
 
 
+def test_a_methods_drafting_time_counts_against_its_drafts():
+    """A drafter that takes as long as a call to propose (a draft model, EAGLE's head on the
+    same cores) pays only alone and with high acceptance; at a few rows the row decodes plainly."""
+    policy = SpeculationPolicy(cpu_like_costs())
+    assert policy.draft_s("eagle") == 0.0
+    policy.observe_draft("eagle", 0.030)
+    policy.observe_draft("eagle", 0.020)
+    assert 0.020 < policy.draft_s("eagle") < 0.030
+    draft = policy.draft_s("eagle")
+    assert policy.draft_size(1, rate=0.8, most=8, draft_s=draft) > 0
+    assert policy.draft_size(1, rate=0.3, most=8, draft_s=draft) == 0 < policy.draft_size(1, rate=0.3, most=8)
+    assert policy.draft_size(4, rate=0.8, most=8, draft_s=draft) == 0 < policy.draft_size(4, rate=0.8, most=8)
+
+
 def test_costs_interpolate_between_measured_sizes():
     costs = cpu_like_costs()
     assert np.isclose(costs.call_s(3), (costs.call_s(2) + costs.call_s(4)) / 2)
