@@ -1,12 +1,16 @@
 """Seeded vs rejection sampling per method: acceptance length and decode tokens/s (not collected by pytest).
 
     .venv/bin/python tests/perf_seeded.py --export /tmp/micro_all [--prompts 16 --seeds 4 --new 64 --methods a,b]
+    .venv/bin/python tests/perf_seeded.py --export build/export/default --set code --temperatures 0.7
 
 Without an export there, it exports the micro family (build/family/micro, built by the test suite)
 with the draft model, Medusa heads and EAGLE head. Per temperature and method: one fresh loaded
 export per scheme (the suffix cache learns from earlier outputs), requests alternate between the
 schemes so drift from other processes hits both alike, one seed per request (requests sharing a
 seed share their noise per position). EOS ignored, no adaptive skips; time excludes prefill.
+Prompts: the training corpus's held-out ones, or --set NAME's (bench/prompts/NAME.jsonl). Per
+method and scheme also the mean and standard error of the per-request acceptance length: two
+schemes that accept alike differ by less than about twice the larger.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import argparse
 import json
 import os
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,6 +42,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--methods", help="comma-separated methods (default: every one the export has)")
+    ap.add_argument("--set", help="a bench prompt set (bench/prompts/SET.jsonl) instead of the held-out corpus prompts")
+    ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     os.environ["SPECDEPLOY_ADAPTIVE"] = "0"
@@ -48,12 +56,19 @@ def main() -> None:
     use_shared_threads(1)
     path = ensure_export(args.export)
     base = LoadedExport(path)
-    prompts = [base.tokenizer.encode(t) for t in heldout_prompts(args.prompts, seed=1)]
+    if args.set:
+        from specdeploy.bench.prompts import encode_items, load_items
+
+        prompts = encode_items(load_items(REPO / "bench" / "prompts" / f"{args.set}.jsonl")[: args.prompts], base)
+    else:
+        prompts = [base.tokenizer.encode(t) for t in heldout_prompts(args.prompts, seed=1)]
     rows = []
-    for temperature, first_seed in ((0.7, 0), (1.0, 10**6)):
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        first_seed = int(temperature * 10**6)  # each temperature its own seeds
         for method in args.methods.split(",") if args.methods else base.methods:
             ex = {s: LoadedExport(path) for s in ("seeded", "rejection")}
             acc = {s: [0, 0, 0.0] for s in ex}  # new tokens, target calls, decode seconds
+            per = {s: [] for s in ex}  # each request's acceptance length
             for k in range(args.seeds * len(prompts)):
                 for scheme in ("seeded", "rejection") if k % 2 == 0 else ("rejection", "seeded"):
                     p = SamplingParams(temperature, seed=first_seed + k, sampling=scheme)
@@ -63,10 +78,14 @@ def main() -> None:
                     a[0] += st["new_tokens"]
                     a[1] += st["target_calls"]
                     a[2] += st["seconds"] - st["prefill_s"]
+                    per[scheme].append(st["acceptance_length"])
             for scheme, (tok, calls, secs) in acc.items():
-                rows.append(dict(temperature=temperature, method=method, sampling=scheme,
-                                 acceptance_length=tok / calls, tokens_per_s=tok / secs))
-                print(f"T={temperature} {method:14s} {scheme:9s} acceptance {tok / calls:5.2f}  "
+                lengths = np.array(per[scheme])
+                stderr = float(lengths.std(ddof=1) / np.sqrt(len(lengths))) if len(lengths) > 1 else float("nan")
+                rows.append(dict(temperature=temperature, method=method, sampling=scheme, requests=len(lengths),
+                                 acceptance_length=tok / calls, acceptance_stderr=stderr, tokens_per_s=tok / secs))
+                print(f"T={temperature} {method:20s} {scheme:9s} acceptance {tok / calls:5.2f} "
+                      f"(per request {lengths.mean():.2f} +- {stderr:.2f}, n={len(lengths)})  "
                       f"tok/s {tok / secs:7.0f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -2,31 +2,41 @@
 
 Prompt lookup and suffix decoding win where text is copied, EAGLE and Medusa where it is
 not; one verify call can try both. Each step both parts propose their own tree (sized
-to the whole budget); the fused drafter keeps each part's best nodes up to its share of
-`nodes` and merges them into one trie under the root (a candidate both parts propose is
-one node, costing the budget once). What a part leaves unused goes to the other.
+to the whole budget); the fused drafter merges the nodes worth their verify rows into one
+trie under the root of at most `nodes` candidates (below).
 
 The parts are a model part (EAGLE, Medusa: head calls every step it drafts; lookahead: its
 Jacobi window's rows in the verify call) and a host part (suffix, prompt lookup: next to
 free). The host part proposes first; with `lazy`, the model part sits the step out when the
-host part proposed something and either measures more accepted drafts per step than the
-model part, or the tokens per second expected with the model's drafts, (1 + max(host,
-model)) / (step + model's cost), are no more than without, (1 + host) / step (times
-measured in this request, running averages). The model's cost is its drafting time plus,
-for lookahead, its window rows at `ROW_COST` of a step each (the runtime's per-row cost,
-drafters/draft_length.py). On copied text the heads' calls buy little. A skipped EAGLE
-head catches up on the skipped steps' features the next time it drafts. Lookahead's window
-(auxiliary rows after the tree, runtime/drafters/lookahead.py) rides in the merged step,
-its rows taken from the node budget (verify T stays `nodes` + 1); a step it sits out runs
-no window (the whole budget goes to the host part), and its window then refills from fresh
-outputs. Timing decides only which drafts are tried, never which tokens are emitted.
+tokens per second expected with its drafts, (1 + host + gain) / (step + model's cost), are no
+more than without, (1 + host) / step, where host is the host part's accepted drafts per step,
+gain the model part's times the chance the host part's first draft is wrong (1 - its per-draft
+acceptance: where the copy is right, the heads' different guesses are not taken), and times
+are measured in this request (running averages); and whatever the times, when that gain is
+not worth one verify row (`row_cost`, below). The model's cost is its drafting time plus,
+for lookahead, its window rows at `row_cost` of a step each. On copied text the heads'
+calls buy little. A skipped EAGLE head catches up on the skipped steps' features the next
+time it drafts. Lookahead's window (auxiliary rows after the tree, runtime/drafters/lookahead.py)
+rides in the merged step, its rows taken from the node budget (verify T stays `nodes` + 1);
+a step it sits out runs no window (the whole budget goes to the host part), and its window
+then refills from fresh outputs. Timing decides only which drafts are tried, never which
+tokens are emitted.
 
-The shares follow each part's measured acceptance in this request: after every step the
-committed tokens are walked down each part's full proposal (the drafts it would have had
-accepted verifying alone), averaged over the steps where it proposed something
-(exponential decay, starting from `prior` tokens per step), and the budget is split in
-proportion. Verification is unchanged (runtime/verify.py): both parts are deterministic,
-so greedy output equals plain greedy decoding and seeded sampling equals `ar`'s.
+Which nodes go in is one rule for every pair: a node is worth the chance that the target's
+path runs through it, and goes in while that is at least `row_cost` (a verify row's cost in
+decode steps, the one prompt lookup sizes its drafts with: drafters/draft_length.py). Each
+part's per-draft acceptance `a` is measured in this request like prompt lookup's (after every
+step the committed tokens are walked down the part's full proposal: drafts accepted over
+accepted plus rejections), and a part's child of rank r (children listed likeliest first)
+is worth its merged parent's worth times a^(1 + r), at most what the parent's earlier-placed
+children left of it (siblings are exclusive: beside a confident copy, a head's different
+guess is worth only the copy's miss rate). Nodes go in best first until none is worth a row
+or the budget is full; a candidate both parts propose is one node. So a part with a long
+confident match takes the budget and the other shrinks to what its own acceptance still pays
+for, and a tree is only as large as its rows pay for (a smaller verify call).
+Verification is unchanged (runtime/verify.py): both parts are deterministic and the sizes
+depend only on verified steps, so greedy output equals plain greedy decoding and seeded
+sampling equals `ar`'s.
 
 A part's config is the export's config of that method, widened to the budget where it
 has a size (EAGLE-2's total_tokens, suffix's max_nodes, prompt lookup's k); a static tree
@@ -36,6 +46,7 @@ keys only.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Sequence
@@ -48,13 +59,11 @@ from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
+from .draft_length import DraftLength
 from .prompt_lookup import PromptLookupConfig
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
 _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}
-# Parts whose node order is already best-first (suffix: by empirical path probability).
-# (lookahead: its trie lists the prompt-lookup match, then the pool's newest n-grams)
-_BEST_FIRST = {"suffix", "prompt-lookup", "lookahead"}
 # A verify row's cost in steps: the runtime's measured per-row cost (SmolLM2 on 2 cores, T=4/9/15
 # 1.1/1.4/1.7x T=1), the one prompt lookup sizes its drafts with (drafters/draft_length.py).
 ROW_COST = PromptLookupConfig.row_cost
@@ -71,6 +80,9 @@ class FusedConfig:
     # prompt-lookup, lookahead and suffix already use, so every export has it)
     nodes: int = 14
     prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
+    # a verify row's cost in decode steps: a node goes in while the chance the target's path runs through
+    # it is at least this (0: fill the budget, rows are free, e.g. a GPU)
+    row_cost: float = ROW_COST
     decay: float = 0.7  # weight of the past in each part's running acceptance (per step it proposes)
     # the model part (EAGLE, Medusa, lookahead) is not asked to draft in a step where the host part (suffix,
     # prompt lookup) proposes and drafting with the model is not worth its time: its head calls (window rows)
@@ -81,7 +93,7 @@ class FusedConfig:
         positive_int(self.nodes, f"{self.method}.nodes", 2)
         if not isinstance(self.lazy, bool):
             raise SpecDeployError(f"config: {self.method}.lazy must be true or false, got {self.lazy!r}")
-        for key, low, high in (("prior", 0.0, math.inf), ("decay", 0.0, 1.0)):
+        for key, low, high in (("prior", 0.0, math.inf), ("decay", 0.0, 1.0), ("row_cost", 0.0, 1.0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high \
                     or (key == "prior" and value <= 0):
@@ -185,21 +197,6 @@ def with_aux(merged: Proposal, part: Proposal) -> Proposal:
     return Proposal(merged.tree, merged.tokens, None, part.aux_tokens, part.aux_positions, mask)
 
 
-def priority(tree: Tree, best_first: bool) -> list[int]:
-    """A tree's candidates, best first; every node after its parent, so any prefix is a subtree.
-
-    Best-first trees keep their order. Otherwise a node's cost is its depth plus the sibling
-    ranks taken on its path (children are listed likeliest first): a child costs more than its
-    parent, and the best path's nodes come first."""
-    if best_first:
-        return list(range(1, tree.size))
-    cost = np.zeros(tree.size, dtype=np.int64)
-    for node in range(1, tree.size):
-        parent = tree.parents[node]
-        cost[node] = cost[parent] + 1 + tree.children[parent].index(node)
-    return sorted(range(1, tree.size), key=lambda n: (int(cost[n]), n))
-
-
 class MergedTree:
     """One trie under the root, grown from several parts' nodes; a node two parts propose is one node."""
 
@@ -210,6 +207,10 @@ class MergedTree:
     @property
     def full(self) -> bool:
         return len(self.tokens) - 1 >= self.budget
+
+    def find(self, parent: int, token: int) -> int | None:
+        """The merged node of `token` under merged node `parent`, if there is one."""
+        return self._child.get((parent, token))
 
     def add(self, parent: int, token: int) -> int | None:
         """The merged node of `token` under merged node `parent` (made if new and the budget allows)."""
@@ -227,36 +228,67 @@ class MergedTree:
 
 
 class _Part:
-    """One part's proposal this step and where each of its nodes went in the merged tree."""
+    """One part's proposal this step and where its placed nodes went in the merged tree."""
 
-    def __init__(self, proposal: Proposal, best_first: bool):
+    def __init__(self, proposal: Proposal):
         self.proposal = proposal
-        self.order = priority(proposal.tree, best_first)
         self.merged: dict[int, int] = {0: 0}
-        self.next = 0  # position in `order` of the next node to place
-
-    def place(self, merged: MergedTree, new_nodes: int) -> None:
-        """Place nodes in priority order until `new_nodes` merged nodes were made (shared ones are free)."""
-        tree, tokens = self.proposal.tree, self.proposal.tokens
-        while self.next < len(self.order) and new_nodes > 0 and not merged.full:
-            node = self.order[self.next]
-            before = len(merged.tokens)
-            placed = merged.add(self.merged[tree.parents[node]], int(tokens[node]))
-            assert placed is not None  # the budget was not full
-            self.merged[node] = placed
-            new_nodes -= len(merged.tokens) - before
-            self.next += 1
 
 
-def walked(tree: Tree, tokens: np.ndarray, committed: Sequence[int]) -> int:
-    """How many of the committed tokens (after the root) the tree proposes as a path from its root."""
+def merge(parts: list[_Part], rates: list[float], budget: int, row_cost: float, root: int) -> MergedTree:
+    """The parts' nodes worth a verify row, best first, in one trie of at most `budget` candidates.
+
+    A node's worth is the chance the target's path runs through it: its merged parent's worth times
+    its part's per-draft acceptance to the power 1 + its rank among its siblings, at most what the
+    parent's earlier-placed children left (the paths are exclusive). A node both parts propose is one
+    node (its worth the larger). Every node comes after its parent (a child is worth no more)."""
+    merged = MergedTree(root, budget)
+    worth, left = [1.0], [1.0]  # per merged node: its worth, and the worth its children may still take
+    heap: list[tuple[float, int, int, int]] = []  # (-worth, part, node, parent's merged node)
+
+    def offer(i: int, node: int) -> None:
+        tree, at = parts[i].proposal.tree, parts[i].merged[node]
+        for rank, child in enumerate(tree.children[node]):
+            heapq.heappush(heap, (-worth[at] * rates[i] ** (1 + rank), i, child, at))
+
+    for i in range(len(parts)):
+        offer(i, 0)
+    while heap:
+        w, i, node, parent = heapq.heappop(heap)
+        token = int(parts[i].proposal.tokens[node])
+        known = merged.find(parent, token)
+        if known is None:
+            if left[parent] < -w:  # siblings placed since it was offered took part of its parent's worth
+                heapq.heappush(heap, (-left[parent], i, node, parent))
+                continue
+            w = -w
+            if w < row_cost or merged.full:
+                continue  # not worth a row, or the budget is full (a node both propose is still free)
+            known = merged.add(parent, token)
+            assert known is not None
+            worth.append(w)
+            left.append(w)
+            left[parent] -= w
+        elif -w > worth[known]:  # proposed by both: the larger worth, within what its parent has
+            gain = min(-w, worth[known] + left[parent]) - worth[known]
+            worth[known] += gain
+            left[known] += gain
+            left[parent] -= gain
+        parts[i].merged[node] = known
+        offer(i, node)
+    return merged
+
+
+def walked(tree: Tree, tokens: np.ndarray, committed: Sequence[int]) -> tuple[int, bool]:
+    """How many of the committed tokens (after the root) the tree proposes as a path from its root, and
+    whether it proposed something there that the target rejected (the walk's last node has children)."""
     node, n = 0, 0
     for tok in committed:
-        node = next((c for c in tree.children[node] if tokens[c] == tok), -1)
-        if node < 0:
+        child = next((c for c in tree.children[node] if tokens[c] == tok), -1)
+        if child < 0:
             break
-        n += 1
-    return n
+        node, n = child, n + 1
+    return n, bool(tree.children[node])
 
 
 class FusedDrafter(Drafter):
@@ -266,7 +298,6 @@ class FusedDrafter(Drafter):
         self.config, self.parts = config, parts
         self.window = window  # the model part's auxiliary rows per step it drafts (lookahead's window)
         self.name = config.method
-        self._best_first = [p in _BEST_FIRST for p in config.parts]
 
     def prefilled(self, target_out) -> None:
         for part in self.parts:
@@ -275,7 +306,9 @@ class FusedDrafter(Drafter):
     def start(self, state: DecodeState) -> None:
         for part in self.parts:
             part.start(state)
-        self.acceptance = [float(self.config.prior)] * len(self.parts)
+        self.acceptance = [float(self.config.prior)] * len(self.parts)  # accepted drafts per step
+        # each part's per-draft acceptance (DraftLength's censored geometric, its prior 0.5)
+        self.rates = [DraftLength(self.config.nodes, self.config.row_cost) for _ in self.parts]
         self.last: list[_Part] = []  # this step's parts and their placement (tests read it)
         # running seconds: the model part's drafting, and a step without it (host drafting, verify, update)
         self.model_s: float | None = None
@@ -286,22 +319,16 @@ class FusedDrafter(Drafter):
         return new if old is None else self.config.decay * old + (1 - self.config.decay) * new
 
     def model_worth_it(self) -> bool:
-        """Whether the model part's drafts are expected to buy more tokens per second than they cost."""
+        """Whether the model part's drafts are expected to buy more tokens per second than they cost,
+        beside a host proposal (what they add where the host part's first draft misses)."""
         host, model = self.acceptance[1], self.acceptance[0]
-        if host > model:
-            return False
+        gain = model * (1 - self.rates[1].rate)
+        if gain < self.config.row_cost:
+            return False  # not even worth one verify row
         if self.model_s is None or self.step_s is None:
             return True  # not measured yet: draft, and measure
-        cost = self.model_s + self.window * ROW_COST * self.step_s
-        return (1 + max(host, model)) * self.step_s > (1 + host) * (self.step_s + cost)
-
-    def shares(self, budget: int | None = None) -> list[int]:
-        """The budget (default: `nodes`) split in proportion to each part's running acceptance."""
-        # a part measured at zero keeps a sliver, so both at zero split evenly
-        weights = [a + 1e-3 for a in self.acceptance]
-        budget = self.config.nodes if budget is None else budget
-        first = min(budget, round(budget * weights[0] / sum(weights)))
-        return [first, budget - first]
+        cost = self.model_s + self.window * self.config.row_cost * self.step_s
+        return (1 + host + gain) * self.step_s > (1 + host) * (self.step_s + cost)
 
     def propose(self, state: DecodeState) -> Proposal:
         # The host part (second: suffix, prompt lookup) first: it costs next to nothing.
@@ -315,16 +342,11 @@ class FusedDrafter(Drafter):
         else:
             model_proposal = model.propose(state)
             self.model_s = self._average(self.model_s, time.perf_counter() - t1)
-        placed = [_Part(model_proposal, self._best_first[0]), _Part(host_proposal, self._best_first[1])]
+        placed = [_Part(model_proposal), _Part(host_proposal)]
         self.last = placed
         # the model part's window rows (lookahead) come out of the budget in a step it drafts
         budget = self.config.nodes - (0 if model_proposal.aux_tokens is None else len(model_proposal.aux_tokens))
-        merged = MergedTree(state.tokens[-1], budget)
-        for part, share in zip(placed, self.shares(budget)):
-            part.place(merged, share)
-        # What one part leaves unused goes to the other: the better-measured first.
-        for i in sorted(range(len(placed)), key=lambda i: -self.acceptance[i]):
-            placed[i].place(merged, budget)
+        merged = merge(placed, [r.rate for r in self.rates], budget, self.config.row_cost, root)
         proposal = with_aux(merged.proposal(), model_proposal)
         self._proposed_at = time.perf_counter()
         return proposal
@@ -339,7 +361,9 @@ class FusedDrafter(Drafter):
         committed = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus
         keep = self.config.decay
         for i, placed in enumerate(self.last):
-            if placed.proposal.tree.size > 1:  # a part that proposed nothing is not measured this step
-                got = walked(placed.proposal.tree, placed.proposal.tokens, committed)
+            tree = placed.proposal.tree
+            if tree.size > 1:  # a part that proposed nothing is not measured this step
+                got, rejected = walked(tree, placed.proposal.tokens, committed)
                 self.acceptance[i] = keep * self.acceptance[i] + (1 - keep) * got
+                self.rates[i].observe(got + rejected, got)
         self.last = []

@@ -1,6 +1,7 @@
 """Fused drafting's tree work (runtime/drafters/fused.py) on hand-built trees: the merge keeps
-the node budget, a candidate both parts propose is one node, each part's best nodes go in first,
-and the budget follows the measured acceptance. On exports: tests/test_fused_drafting.py."""
+the node budget, a candidate both parts propose is one node, a node goes in while it is worth a
+verify row (by its part's measured per-draft acceptance, and what the other part's sibling leaves),
+best first. On exports: tests/test_fused_drafting.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from specdeploy.runtime.drafters.fused import (
     FusedDrafter,
     LookaheadSuffixConfig,
     MergedTree,
-    priority,
+    _Part,
+    merge,
     walked,
 )
 from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
@@ -45,6 +47,7 @@ def state() -> DecodeState:
 
 
 def fused(a: Drafter, b: Drafter, **config) -> FusedDrafter:
+    config.setdefault("row_cost", 0.0)  # rows are free: the budget alone limits the tree
     d = FusedDrafter(EagleSuffixConfig(**config), [a, b])
     d.start(state())
     return d
@@ -80,40 +83,60 @@ def test_a_part_with_nothing_to_propose_leaves_the_whole_budget_to_the_other():
     assert paths(p) == {(5,), (5, 6), (5, 6, 7), (5, 6, 7, 8)}
 
 
-def test_priority_takes_the_best_path_first_and_parents_before_children():
-    # children listed likeliest first: 1, 2, 3 (ranks 0, 1, 2) under the root; 4 under 1, 5 under 4
-    t = Tree((-1, 0, 0, 0, 1, 4))
-    order = priority(t, best_first=False)
-    assert order == [1, 2, 4, 3, 5]  # cost = depth + sibling ranks: 1, 2, 3, 2, 3
-    assert priority(t, best_first=True) == [1, 2, 3, 4, 5]
-    for k in range(len(order)):
-        kept = set(order[:k]) | {0}
-        assert all(t.parents[n] in kept for n in kept if n)  # any prefix is a subtree
+def _merge(trees, rates, budget, row_cost=0.0):
+    """merge() over Fixed proposals: the merged tree's paths."""
+    parts = [_Part(Fixed(parents, tokens).propose(state())) for parents, tokens in trees]
+    return paths(merge(parts, rates, budget, row_cost, root=3).proposal())
+
+
+def test_merge_takes_the_best_nodes_first_and_parents_before_children():
+    # children listed likeliest first: 10, 11, 12 (ranks 0, 1, 2) under the root; 13 under 10, 14 under 13
+    bushy = ((-1, 0, 0, 0, 1, 4), [10, 11, 12, 13, 14])
+    # worth at a = 0.5: 10 .5, 11 .25, 12 .125, 13 .25, 14 .125
+    assert _merge([bushy], [0.5], 2) == {(10,), (11,)}  # tie 11 / 13: the earlier offered
+    assert _merge([bushy], [0.5], 3) == {(10,), (11,), (10, 13)}
+    assert _merge([bushy], [0.5], 9, row_cost=0.2) == {(10,), (11,), (10, 13)}  # .125 is not worth a row
+    # a confident part goes deep first: 11's .81 is capped at what 10 (.9) leaves of the root, .1
+    assert _merge([bushy], [0.9], 2) == {(10,), (10, 13)}
+
+
+def test_beside_a_confident_copy_another_parts_guess_is_worth_only_the_copys_miss_rate():
+    copy = ((-1, 0, 1, 2), [20, 21, 22])
+    head = ((-1, 0, 1), [30, 31])
+    # copy at 0.9: 20 .9, 21 .81, 22 .73; the head's 30: min(.6, 1 - .9) = .1, 31: .06
+    assert _merge([head, copy], [0.6, 0.9], 14, row_cost=0.05) == {(20,), (20, 21), (20, 21, 22), (30,), (30, 31)}
+    assert _merge([head, copy], [0.6, 0.9], 14, row_cost=0.08) == {(20,), (20, 21), (20, 21, 22), (30,)}
+    # an unsure copy leaves the head its own worth: 30 .6 before 21 (.3 x .5)
+    assert _merge([head, copy], [0.6, 0.3], 2) == {(30,), (30, 31)}
+    # a node both parts propose is one node, worth the larger: its children follow it
+    assert _merge([((-1, 0, 1), [20, 40]), copy], [0.2, 0.9], 3, row_cost=0.5) == {(20,), (20, 21), (20, 21, 22)}
 
 
 def test_walked_counts_the_committed_tokens_a_tree_proposed():
-    t = Tree((-1, 0, 1, 0))
-    tokens = np.array([0, 5, 6, 7])
-    assert walked(t, tokens, [5, 6, 9]) == 2
-    assert walked(t, tokens, [7, 1]) == 1
-    assert walked(t, tokens, [8]) == 0
+    t = Tree((-1, 0, 1, 0, 2))
+    tokens = np.array([0, 5, 6, 7, 8])
+    assert walked(t, tokens, [5, 6, 9]) == (2, True)  # 6 -> 8 was proposed, the target took 9
+    assert walked(t, tokens, [5, 6, 8, 1]) == (3, False)  # the proposal ended: nothing rejected
+    assert walked(t, tokens, [7, 1]) == (1, False)
+    assert walked(t, tokens, [4]) == (0, True)
 
 
-def test_the_budget_follows_measured_acceptance():
+def test_the_tree_follows_measured_acceptance_and_row_cost():
     a = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [40 + i for i in range(10)])
     b = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [60 + i for i in range(10)])
-    d = fused(a, b, nodes=10, lazy=False)
-    assert d.shares() == [5, 5]  # the prior: an even split
+    d = fused(a, b, nodes=10, lazy=False, row_cost=0.05)
+    p = d.propose(state())
+    # the prior (0.5 per draft, both): 4 drafts each are worth a row (.5^4 >= .05 > .5^5)
+    assert sum(40 <= t < 50 for t in p.tokens) == sum(60 <= t < 70 for t in p.tokens) == 4
     s = state()
-    for _ in range(6):  # the target keeps taking b's copy
+    for _ in range(6):  # the target keeps taking 4 of b's copy
         p = d.propose(s)
         path = [0] + [i for i in range(1, p.tree.size) if 60 <= p.tokens[i] < 70][:4]
         s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
         d.update(s, p, Verdict(path, 99), None)
-    first, second = d.shares()
-    assert second > first and first + second == 10
     p = d.propose(s)
-    assert sum(60 <= t < 70 for t in p.tokens) == second
+    ours, theirs = sum(60 <= t < 70 for t in p.tokens), sum(40 <= t < 50 for t in p.tokens)
+    assert ours > 4 and theirs <= 1 and ours + theirs <= 10  # b's copy fills; a's misses leave a its top guess
 
 
 def test_lazy_the_model_part_sits_out_while_the_host_part_is_measured_better():
@@ -126,13 +149,18 @@ def test_lazy_the_model_part_sits_out_while_the_host_part_is_measured_better():
 
     model = Counting((-1, 0, 1), [70, 71])
     host = Fixed((-1, 0, 1, 2), [80, 81, 82])
-    d, s = fused(model, host, nodes=6), state()
-    for _ in range(4):  # the target takes the host's copy
+    d, s = fused(model, host, nodes=6, row_cost=0.05), state()
+    asked = []
+    for _ in range(8):  # the target takes the host's copy
         p = d.propose(s)
         path = [0] + [i for i in range(1, p.tree.size) if 80 <= p.tokens[i]]
         s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
         d.update(s, p, Verdict(path, 99), None)
-    assert model.asked == 1  # asked while both stood at the prior, then left out
+        asked.append(model.asked)
+    # asked while the copy's acceptance was near the prior (when its time was worth it), then left out:
+    # what it adds where the copy misses (its accepted drafts per step x the copy's miss rate) is not
+    # worth a row, whatever the times
+    assert 1 <= asked[2] and asked[2] == asked[-1]
     assert paths(d.propose(s)) == {(80,), (80, 81), (80, 81, 82)}
     empty = fused(model, Fixed((-1,), []), nodes=6)  # a host with nothing to propose: the model part drafts
     empty.acceptance = [0.1, 5.0]
@@ -167,12 +195,12 @@ def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_
     assert not mask[s_:, 1:s_].any() and mask[s_:, 0].all()  # window rows see the root, no candidate
     assert np.array_equal(mask[s_:, s_:], alone.aux_mask[:, alone.tree.size:])
     assert not mask[:s_, s_:].any()  # and no candidate sees the window
-    # a step lookahead sits out runs no window: the whole budget goes to the host part
+    # a step lookahead sits out runs no window: the budget goes to the host part
     lazy = FusedDrafter(LookaheadSuffixConfig(nodes=14), [la, host], window=8)
     lazy.start(s)
-    lazy.acceptance = [0.1, 3.0]
+    lazy.acceptance, lazy.step_s, lazy.model_s = [0.1, 3.0], 1.0, 0.0  # the window's 0.4 of a step buys 0.05
     q = lazy.propose(s)
-    assert q.aux_tokens is None and q.tree.size - 1 == 10
+    assert q.aux_tokens is None and q.tree.size - 1 == 4  # the copy's drafts worth a row at the prior (.5^4)
     # the window's rows count as the model part's cost: 8 rows at 5% of a step each
     lazy.acceptance, lazy.step_s, lazy.model_s = [2.0, 1.0], 1.0, 0.0
     assert lazy.model_worth_it()  # 3 tokens per 1.4 steps beat 2 per 1
@@ -181,7 +209,7 @@ def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_
 
 
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
-                                 {"decay": 1.0}, {"decay": -0.1}])
+                                 {"decay": 1.0}, {"decay": -0.1}, {"row_cost": 1.0}, {"row_cost": -0.1}])
 def test_bad_configs_get_one_clear_error(bad):
     with pytest.raises(SpecDeployError, match=r"config: eagle\+suffix\."):
         method_spec("eagle+suffix").parse(bad)
