@@ -194,6 +194,87 @@ def _weights_and_kv(export: Path, pool: int) -> tuple[int, int]:
     return weights, kv * pool
 
 
+def _target_graphs(export: Path) -> dict[str, Path]:
+    manifest = json.loads((export / "manifest.json").read_text())
+    return {name: export / g["file"] for name, g in manifest["graphs"].items() if g["model"] == "target"}
+
+
+def test_a_tied_vocabulary_matrix_is_stored_once(smollm2_4l_export):
+    """SmolLM2 ties its LM head to its embedding: each target graph (portable, fused, batched)
+    reads one [vocab, hidden] payload, the Gather as is and the LM head through a Transpose, so
+    each weights file is the model's parameters once (the HF checkpoint's size)."""
+    import onnx
+
+    checkpoint = (BUILD / "models" / "smollm2-135m-instruct-4l" / "model.safetensors").stat().st_size
+    files = set()
+    for name, path in _target_graphs(smollm2_4l_export).items():
+        graph = onnx.load(str(path), load_external_data=False).graph
+        inits = {t.name: t for t in graph.initializer}
+        (table,) = [inits[n.input[0]] for n in graph.node if n.op_type == "Gather" and n.input[0] in inits]
+        (lm_head,) = [inits[n.input[0]] for n in graph.node if n.op_type == "Transpose" and n.input[0] in inits]
+        place = [{e.key: e.value for e in t.external_data} for t in (table, lm_head)]
+        assert place[0] == place[1] and list(table.dims) == list(lm_head.dims), name
+        files.add(smollm2_4l_export / "weights" / Path(place[0]["location"]).name)
+    assert len(files) == 3  # portable, fused, batched
+    for f in files:  # a second copy would add 108 MiB
+        assert f.stat().st_size <= checkpoint + 4 * MIB, f
+
+
+@pytest.mark.parametrize("graph", ["target_t15", "target_fused_t15", "target_fused_batched"])
+def test_the_lm_head_read_from_the_table_computes_the_same_logits(smollm2_4l_export, graph, tmp_path):
+    """The graph as written (one payload, a Transpose) against the same graph with the LM head's
+    own [hidden, vocab] constant (two payloads, as before): bit-identical outputs in ONNX Runtime,
+    which folds the Transpose at load and prepacks the very same matrix."""
+    import onnx
+    import onnxruntime as ort
+
+    from specdeploy.export.quantize import _fold_weight_transposes
+    from specdeploy.export.reference import load_reference
+
+    path = _target_graphs(smollm2_4l_export)[graph]
+    two_copies = onnx.load(str(path))  # weights loaded
+    _fold_weight_transposes(two_copies.graph)
+    assert not any(name.endswith(".transposed") for n in two_copies.graph.node for name in n.input)
+    onnx.save(two_copies, str(tmp_path / "g.onnx"), save_as_external_data=True, location="g.bin")
+    feeds, _ = load_reference(smollm2_4l_export / "check", graph)
+    ours, old = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (path, tmp_path / "g.onnx"))
+    names = [o.name for o in ours.get_outputs()]
+    for name, a, b in zip(names, ours.run(names, feeds), old.run(names, feeds)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_quantizing_a_table_stored_once_gives_the_same_graph():
+    """quantize_model folds the LM head's Transpose back: a tied graph written by SharedWeights
+    quantizes to exactly what the graph with the LM head's own constant did (one shared table)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdeploy.export.onnx_writer import store_tied_tables_once
+    from specdeploy.export.quantize import WeightScheme, quantize_model
+
+    vocab, hidden = 96, 64
+    table = np.random.default_rng(0).standard_normal((vocab, hidden)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed.weight", "ids"], ["emb"], name="embed"),
+         helper.make_node("MatMul", ["emb", "lm_head.weight"], ["logits"], name="lm_head")], "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "t"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "t", vocab])],
+        [numpy_helper.from_array(table, "embed.weight"), numpy_helper.from_array(table.T.copy(), "lm_head.weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    once = onnx.ModelProto.FromString(model.SerializeToString())
+    assert store_tied_tables_once(once.graph) == ["lm_head.weight"]
+    assert len(once.graph.initializer) == 2 and once.graph.node[0].op_type == "Transpose"
+    assert store_tied_tables_once(once.graph) == []  # nothing left to rewrite
+    scheme = WeightScheme(8, 32)
+    (a, shared_a), (b, shared_b) = (quantize_model(m, scheme) for m in (model, once))
+    assert shared_a == shared_b == "shared"
+    assert [n.op_type for n in a.graph.node] == [n.op_type for n in b.graph.node]
+    by_name = {t.name: numpy_helper.to_array(t) for t in b.graph.initializer}
+    for t in a.graph.initializer:
+        np.testing.assert_array_equal(numpy_helper.to_array(t), by_name[t.name])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("pool,factor", [(1, 1.3), (4, 1.5)])
 def test_resident_memory_is_about_one_copy_of_the_weights(export, pool, factor):
