@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdeploy.runtime.backends.ort import open_session
+from specdeploy.runtime.backends.ort import InPlaceGraph
 from specdeploy.runtime.batching.graph import BatchedGraph, Run
 from specdeploy.runtime.graph_contract import INPUT_IDS, PAST_LENGTH, POSITION_IDS, TARGET, TREE_MASK, past_names
 from specdeploy.runtime.manifest import load_manifest
@@ -23,16 +23,18 @@ PAST = 64
 
 
 def batch1_call(manifest, threads):
+    """The batch-1 fused decoder's call: bound once per T in place (backends/ort.InPlaceGraph)."""
     record = next(iter(manifest.decoder_graphs(TARGET, "fused").values()))
-    session = open_session(manifest.graph_path(record), "ort-cpu", threads)
     spec = manifest.models[TARGET]
     kv = {n: np.zeros((1, spec.num_kv_heads, manifest.max_context, spec.head_dim), np.float32)
           for n in past_names(spec.num_layers)}
+    graphs: dict[int, InPlaceGraph] = {}
 
     def call(t: int) -> None:
-        feeds = {INPUT_IDS: np.zeros((1, t), np.int64), POSITION_IDS: PAST + np.arange(t)[None],
-                 TREE_MASK: np.tril(np.ones((1, t, t), bool)), PAST_LENGTH: np.array([PAST]), **kv}
-        session.run(None, feeds)
+        if t not in graphs:
+            graphs[t] = InPlaceGraph(manifest.graph_path(record), threads, kv, tokens=t)
+        graphs[t].run({INPUT_IDS: np.zeros((1, t), np.int64), POSITION_IDS: PAST + np.arange(t)[None],
+                       TREE_MASK: np.tril(np.ones((1, t, t), bool)), PAST_LENGTH: np.array([PAST])})
     return call
 
 

@@ -122,6 +122,31 @@ class BatchedGraph:
         # where an unused run (and the decode part with no row decoding) writes its token's KV
         self._scratch = [{n: np.zeros((1, heads, 2, dim), np.float32) for n in self.kv_names}
                          for _ in range(self.runs + 1)]
+        # One binding for every call: each part's KV buffers are bound again only when they change
+        # (a lone row's calls bind none; a bind is a few microseconds, and a call has 2 * layers * 5)
+        self._io = self.session.io_binding()
+        self._bound: list[tuple | None] = [None] * (self.runs + 1)  # per part: its buffers' identity
+        self._bound_values: list[list] = [[] for _ in range(self.runs + 1)]  # their OrtValues, kept alive
+
+    def _bind_kv(self, part: int, kv: dict[str, np.ndarray]) -> None:
+        """Bind part `part`'s buffers (0: the decode part, r + 1: run r) in place, past and present
+        the same memory. The buffers are known by the first one's address and shape: a part's
+        views all come from one slot range, and the bound arrays stay alive until replaced, so
+        another array cannot take that address meanwhile."""
+        first = next(iter(kv.values()))
+        key = (first.ctypes.data, first.shape, len(kv))
+        if self._bound[part] == key:
+            return
+        values = []
+        for name, buf in kv.items():
+            value = self._ort.OrtValue.ortvalue_from_numpy(buf)  # shares the slots' memory
+            values.append(value)
+            present = present_of(name)
+            if part:
+                name, present = run_kv_name(part - 1, name), run_kv_name(part - 1, present)
+            self._io.bind_ortvalue_input(name, value)
+            self._io.bind_ortvalue_output(present, value)
+        self._bound[part], self._bound_values[part] = key, values
 
     def run(self, decode: list[tuple[int, int, int] | int], decode_kv: dict[str, np.ndarray] | None,
             runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
@@ -163,24 +188,16 @@ class BatchedGraph:
             context_rows[at:end] = np.arange(rows, rows + end - at)
             rows += end - at
             at = end
-        io = self.session.io_binding()
+        io = self._io
         for name, value in ((INPUT_IDS, ids), (POSITION_IDS, positions), (TREE_MASK, mask), (PAST_LENGTH, past),
                             (SEGMENTS, segments), (DECODE_TOKENS, decode_tokens), (CONTEXT_ROWS, context_rows)):
             io.bind_cpu_input(name, value)
-        keep = []  # OrtValues must outlive the run
-        run_kv = [*(run.kv for run in runs), *self._scratch[len(runs):self.runs]]  # unused runs: scratch
-        for prefix, kv in ((None, decode_kv), *enumerate(run_kv)):
-            for name, buf in kv.items():
-                value = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the slots' memory
-                keep.append(value)
-                io.bind_ortvalue_input(name if prefix is None else run_kv_name(prefix, name), value)
-                present = present_of(name)
-                io.bind_ortvalue_output(present if prefix is None else run_kv_name(prefix, present), value)
+        for part, kv in enumerate([decode_kv, *(run.kv for run in runs), *self._scratch[len(runs):self.runs]]):
+            self._bind_kv(part, kv)  # unused runs: their scratch
         logits = np.empty((1, n, self.vocab), np.float32)
         hidden = np.empty((1, n, self.hidden), np.float32)
-        for name, array in ((LOGITS, logits), (HIDDEN, hidden)):
-            value = ort.OrtValue.ortvalue_from_numpy(array)
-            keep.append(value)
-            io.bind_ortvalue_output(name, value)
+        keep = [ort.OrtValue.ortvalue_from_numpy(array) for array in (logits, hidden)]  # alive through the run
+        io.bind_ortvalue_output(LOGITS, keep[0])
+        io.bind_ortvalue_output(HIDDEN, keep[1])
         self.session.run_with_iobinding(io)
         return logits[0], hidden[0]
