@@ -116,7 +116,7 @@ def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in graph.initializer}
 
 
-def _fold_weight_transposes(graph: onnx.GraphProto) -> None:
+def fold_weight_transposes(graph: onnx.GraphProto) -> None:
     """A float graph stores a tied LM head as a Transpose of the embedding table's bytes
     (onnx_writer.store_tied_tables_once); fold it back into the [hidden, vocab] MatMul weight,
     so the quantizer sees a constant-weight MatMul, as ONNX Runtime does at load."""
@@ -230,7 +230,7 @@ def quantize_model(model: onnx.ModelProto, scheme: WeightScheme) -> tuple[onnx.M
     """The graph with every constant-weight MatMul as MatMulNBits (weights loaded in `model`; the
     LM head at scheme.lm_head_bits), and how its embedding is held: "shared" (tied, reads the
     quantized LM head) or "float"."""
-    _fold_weight_transposes(model.graph)
+    fold_weight_transposes(model.graph)
     tied = _tied_embedding(model.graph)
     lm = _lm_head(model.graph)
     if lm is not None and not lm.name:

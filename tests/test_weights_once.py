@@ -228,12 +228,12 @@ def test_the_lm_head_read_from_the_table_computes_the_same_logits(smollm2_4l_exp
     import onnx
     import onnxruntime as ort
 
-    from specdeploy.export.quantize import _fold_weight_transposes
+    from specdeploy.export.quantize import fold_weight_transposes
     from specdeploy.export.reference import load_reference
 
     path = _target_graphs(smollm2_4l_export)[graph]
     two_copies = onnx.load(str(path))  # weights loaded
-    _fold_weight_transposes(two_copies.graph)
+    fold_weight_transposes(two_copies.graph)
     assert not any(name.endswith(".transposed") for n in two_copies.graph.node for name in n.input)
     onnx.save(two_copies, str(tmp_path / "g.onnx"), save_as_external_data=True, location="g.bin")
     feeds, _ = load_reference(smollm2_4l_export / "check", graph)
