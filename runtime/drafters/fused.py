@@ -22,18 +22,14 @@ a step it sits out runs no window (the whole budget goes to the host part), and 
 then refills from fresh outputs. Timing decides only which drafts are tried, never which
 tokens are emitted.
 
-Which nodes go in is one rule for every pair: a node is worth the chance that the target's
-path runs through it, and goes in while that is at least `row_cost` (a verify row's cost in
-decode steps, the one prompt lookup sizes its drafts with: drafters/draft_length.py). Each
-part's per-draft acceptance `a` is measured in this request like prompt lookup's (after every
-step the committed tokens are walked down the part's full proposal: drafts accepted over
-accepted plus rejections), and a part's child of rank r (children listed likeliest first)
-is worth its merged parent's worth times a^(1 + r), at most what the parent's earlier-placed
-children left of it (siblings are exclusive: beside a confident copy, a head's different
-guess is worth only the copy's miss rate). Nodes go in best first until none is worth a row
-or the budget is full; a candidate both parts propose is one node. So a part with a long
-confident match takes the budget and the other shrinks to what its own acceptance still pays
-for, and a tree is only as large as its rows pay for (a smaller verify call).
+Which nodes go in is one rule for every pair (drafters/tree_budget.py): a node is worth the
+chance that the target's path runs through it, and goes in, best first, while that is at least
+`row_cost` and the budget lasts. Each part's per-draft acceptance is measured in this request
+on its own full proposal (the committed tokens walked down it), so a part's child is worth its
+merged parent's worth times that acceptance (per sibling rank), at most what the parent's
+earlier-placed children left: beside a confident copy a head's different guess is worth only
+the copy's miss rate. A part with a long confident match takes the budget, the other shrinks
+to what its own acceptance still pays for, and the tree is only as large as its rows pay for.
 Verification is unchanged (runtime/verify.py): both parts are deterministic and the sizes
 depend only on verified steps, so greedy output equals plain greedy decoding and seeded
 sampling equals `ar`'s.
@@ -46,10 +42,8 @@ keys only.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,10 +51,10 @@ import numpy as np
 
 from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
-from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
 from .draft_length import DraftLength
 from .prompt_lookup import PromptLookupConfig
+from .tree_budget import PartProposal, merge, walked
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
 _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}
@@ -146,7 +140,11 @@ CONFIGS = (EagleSuffixConfig, EaglePromptLookupConfig, MedusaSuffixConfig, Medus
 
 
 def part_config(export, part: str, nodes: int):
-    """The export's config of `part`, its proposal widened to `nodes` candidates where it has a size."""
+    """The export's config of `part`, its proposal widened to `nodes` candidates where it has a size.
+
+    A part that sizes its drafts by their rows' cost (prompt lookup's row_cost) proposes its whole
+    size: trimming is the merge's (by the part's acceptance on its own proposal), while the part's
+    own length rule would read the merged step's verdict, the other part's drafts counted in."""
     config = export.method_config(part)
     key = _SIZE_KEYS.get(part)
     if key is None or getattr(config, "mode", None) == "eagle1":  # a static tree keeps its size
@@ -154,7 +152,7 @@ def part_config(export, part: str, nodes: int):
     size = nodes
     if part == "eagle":  # at most the candidates its top_k and depth grow
         size = min(nodes, config.top_k + (config.depth - 1) * config.top_k ** 2)
-    return with_overrides(config, {key: size}, part)
+    return with_overrides(config, {key: size, **({"row_cost": 0.0} if hasattr(config, "row_cost") else {})}, part)
 
 
 def part_configs(export, config: FusedConfig) -> dict:
@@ -197,100 +195,6 @@ def with_aux(merged: Proposal, part: Proposal) -> Proposal:
     return Proposal(merged.tree, merged.tokens, None, part.aux_tokens, part.aux_positions, mask)
 
 
-class MergedTree:
-    """One trie under the root, grown from several parts' nodes; a node two parts propose is one node."""
-
-    def __init__(self, root: int, budget: int):
-        self.parents, self.tokens, self.budget = [-1], [int(root)], budget
-        self._child: dict[tuple[int, int], int] = {}
-
-    @property
-    def full(self) -> bool:
-        return len(self.tokens) - 1 >= self.budget
-
-    def find(self, parent: int, token: int) -> int | None:
-        """The merged node of `token` under merged node `parent`, if there is one."""
-        return self._child.get((parent, token))
-
-    def add(self, parent: int, token: int) -> int | None:
-        """The merged node of `token` under merged node `parent` (made if new and the budget allows)."""
-        node = self._child.get((parent, token))
-        if node is None and not self.full:
-            node = self._child[(parent, token)] = len(self.tokens)
-            self.parents.append(parent)
-            self.tokens.append(token)
-        return node
-
-    def proposal(self) -> Proposal:
-        n = len(self.tokens) - 1
-        chain = self.parents == list(range(-1, n))
-        return Proposal(Tree.chain(n) if chain else Tree(tuple(self.parents)), np.array(self.tokens, dtype=np.int64))
-
-
-class _Part:
-    """One part's proposal this step and where its placed nodes went in the merged tree."""
-
-    def __init__(self, proposal: Proposal):
-        self.proposal = proposal
-        self.merged: dict[int, int] = {0: 0}
-
-
-def merge(parts: list[_Part], rates: list[float], budget: int, row_cost: float, root: int) -> MergedTree:
-    """The parts' nodes worth a verify row, best first, in one trie of at most `budget` candidates.
-
-    A node's worth is the chance the target's path runs through it: its merged parent's worth times
-    its part's per-draft acceptance to the power 1 + its rank among its siblings, at most what the
-    parent's earlier-placed children left (the paths are exclusive). A node both parts propose is one
-    node (its worth the larger). Every node comes after its parent (a child is worth no more)."""
-    merged = MergedTree(root, budget)
-    worth, left = [1.0], [1.0]  # per merged node: its worth, and the worth its children may still take
-    heap: list[tuple[float, int, int, int]] = []  # (-worth, part, node, parent's merged node)
-
-    def offer(i: int, node: int) -> None:
-        tree, at = parts[i].proposal.tree, parts[i].merged[node]
-        for rank, child in enumerate(tree.children[node]):
-            heapq.heappush(heap, (-worth[at] * rates[i] ** (1 + rank), i, child, at))
-
-    for i in range(len(parts)):
-        offer(i, 0)
-    while heap:
-        w, i, node, parent = heapq.heappop(heap)
-        token = int(parts[i].proposal.tokens[node])
-        known = merged.find(parent, token)
-        if known is None:
-            if left[parent] < -w:  # siblings placed since it was offered took part of its parent's worth
-                heapq.heappush(heap, (-left[parent], i, node, parent))
-                continue
-            w = -w
-            if w < row_cost or merged.full:
-                continue  # not worth a row, or the budget is full (a node both propose is still free)
-            known = merged.add(parent, token)
-            assert known is not None
-            worth.append(w)
-            left.append(w)
-            left[parent] -= w
-        elif -w > worth[known]:  # proposed by both: the larger worth, within what its parent has
-            gain = min(-w, worth[known] + left[parent]) - worth[known]
-            worth[known] += gain
-            left[known] += gain
-            left[parent] -= gain
-        parts[i].merged[node] = known
-        offer(i, node)
-    return merged
-
-
-def walked(tree: Tree, tokens: np.ndarray, committed: Sequence[int]) -> tuple[int, bool]:
-    """How many of the committed tokens (after the root) the tree proposes as a path from its root, and
-    whether it proposed something there that the target rejected (the walk's last node has children)."""
-    node, n = 0, 0
-    for tok in committed:
-        child = next((c for c in tree.children[node] if tokens[c] == tok), -1)
-        if child < 0:
-            break
-        node, n = child, n + 1
-    return n, bool(tree.children[node])
-
-
 class FusedDrafter(Drafter):
     deterministic = True
 
@@ -309,7 +213,7 @@ class FusedDrafter(Drafter):
         self.acceptance = [float(self.config.prior)] * len(self.parts)  # accepted drafts per step
         # each part's per-draft acceptance (DraftLength's censored geometric, its prior 0.5)
         self.rates = [DraftLength(self.config.nodes, self.config.row_cost) for _ in self.parts]
-        self.last: list[_Part] = []  # this step's parts and their placement (tests read it)
+        self.last: list[PartProposal] = []  # this step's parts and their placement (tests read it)
         # running seconds: the model part's drafting, and a step without it (host drafting, verify, update)
         self.model_s: float | None = None
         self.step_s: float | None = None
@@ -342,7 +246,7 @@ class FusedDrafter(Drafter):
         else:
             model_proposal = model.propose(state)
             self.model_s = self._average(self.model_s, time.perf_counter() - t1)
-        placed = [_Part(model_proposal), _Part(host_proposal)]
+        placed = [PartProposal(model_proposal), PartProposal(host_proposal)]
         self.last = placed
         # the model part's window rows (lookahead) come out of the budget in a step it drafts
         budget = self.config.nodes - (0 if model_proposal.aux_tokens is None else len(model_proposal.aux_tokens))

@@ -6,8 +6,12 @@ earlier requests, kept across requests (with no cache, the output joins the prom
 Each step the longest context suffix (at most `max_match` tokens) found in a tree is
 continued by a tree of its likeliest continuations, best-first by empirical path
 probability, within `max_nodes`. Of the two trees' proposals
-the one continuing the longer match wins (then the higher expected acceptance). Drafts
-are deterministic, verified like prompt lookup's (greedy exact, sampling lossless).
+the one continuing the longer match wins (then the higher expected acceptance). Of that
+tree only the nodes worth their verify rows are verified, by the rule fused drafting uses
+(drafters/tree_budget.py: a node's chance of being on the target's path, from the per-draft
+acceptance measured in this request, at least `row_cost`): a frequent continuation that
+this answer does not follow costs rows, not only misses. Drafts are deterministic and sized
+by verified steps only, verified like prompt lookup's (greedy exact, sampling lossless).
 
 The cross-request cache lives on the loaded export (`LoadedExport.part`): one per export
 instance, so one per `Service` with the default pool of one (a pool of N holds N, each
@@ -30,7 +34,9 @@ from ..config import positive_int
 from ..errors import SpecDeployError
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
+from .draft_length import DraftLength
 from .suffix_tree import SuffixCache, SuffixTree
+from .tree_budget import PartProposal, merge, walked
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,9 @@ class SuffixConfig:
     max_match: int = 8  # longest context suffix looked up; trees hold max_match + max_nodes tokens deep
     min_prob: float = 0.1  # candidates whose empirical path probability is lower are not proposed
     cache_tokens: int = 32768  # earlier requests' output tokens kept per export instance (0: none)
+    # a verify row's cost in decode steps (prompt lookup's): a node is verified while its chance of being
+    # on the target's path is at least this (0: the whole tree, rows are free, e.g. a GPU)
+    row_cost: float = 0.05
 
     def __post_init__(self):
         positive_int(self.max_nodes, "suffix.max_nodes")
@@ -50,6 +59,9 @@ class SuffixConfig:
         if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, (int, float)) \
                 or not 0.0 <= self.min_prob <= 1.0:
             raise SpecDeployError(f"config: suffix.min_prob must be a number in [0, 1], got {self.min_prob!r}")
+        if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) \
+                or not 0.0 <= self.row_cost < 1.0:
+            raise SpecDeployError(f"config: suffix.row_cost must be a number in [0, 1), got {self.row_cost!r}")
 
     @property
     def depth(self) -> int:
@@ -80,6 +92,8 @@ class SuffixDrafter(Drafter):
         self.config, self.cache = config, cache
 
     def start(self, state: DecodeState) -> None:
+        self.rate = DraftLength(self.config.max_nodes, self.config.row_cost)  # per-draft acceptance
+        self.proposed: Proposal | None = None  # this step's whole tree, before the rows' cost trimmed it
         self.local = SuffixTree(self.config.depth)
         self.local.extend(0, state.tokens)
         self.seq = None
@@ -95,14 +109,21 @@ class SuffixDrafter(Drafter):
             if draft is not None and (best is None or (draft.match, draft.score) > (best.match, best.score)):
                 best = draft
         if best is None:
+            self.proposed = None
             return Proposal.root_only(context[-1])
         n = len(best.tokens)
         chain = best.parents == tuple(range(-1, n - 1))  # the shared, precomputed chain tree
-        return Proposal(Tree.chain(n) if chain else Tree((-1,) + tuple(p + 1 for p in best.parents)),
-                        np.array((context[-1],) + best.tokens, dtype=np.int64))
+        self.proposed = Proposal(Tree.chain(n) if chain else Tree((-1,) + tuple(p + 1 for p in best.parents)),
+                                 np.array((context[-1],) + best.tokens, dtype=np.int64))
+        if not c.row_cost:
+            return self.proposed
+        return merge([PartProposal(self.proposed)], [self.rate.rate], c.max_nodes, c.row_cost, context[-1]).proposal()
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
         new = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus token
+        if self.proposed is not None:  # acceptance on the whole tree (what a larger share would have had)
+            got, rejected = walked(self.proposed.tree, self.proposed.tokens, new)
+            self.rate.observe(got + rejected, got)
         if self.cache is not None and self.seq is not None:
             self.cache.extend(self.seq, new)
         else:

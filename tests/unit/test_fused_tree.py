@@ -9,16 +9,9 @@ import numpy as np
 import pytest
 
 from specdeploy.runtime.drafters.base import DecodeState, Drafter, Proposal
-from specdeploy.runtime.drafters.fused import (
-    EagleSuffixConfig,
-    FusedDrafter,
-    LookaheadSuffixConfig,
-    MergedTree,
-    _Part,
-    merge,
-    walked,
-)
+from specdeploy.runtime.drafters.fused import EagleSuffixConfig, FusedDrafter, LookaheadSuffixConfig
 from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
+from specdeploy.runtime.drafters.tree_budget import MergedTree, PartProposal, merge, walked
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.methods import method_spec
 from specdeploy.runtime.sampling import SamplingParams
@@ -85,7 +78,7 @@ def test_a_part_with_nothing_to_propose_leaves_the_whole_budget_to_the_other():
 
 def _merge(trees, rates, budget, row_cost=0.0):
     """merge() over Fixed proposals: the merged tree's paths."""
-    parts = [_Part(Fixed(parents, tokens).propose(state())) for parents, tokens in trees]
+    parts = [PartProposal(Fixed(parents, tokens).propose(state())) for parents, tokens in trees]
     return paths(merge(parts, rates, budget, row_cost, root=3).proposal())
 
 
