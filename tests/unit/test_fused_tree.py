@@ -213,3 +213,25 @@ def test_unknown_keys_are_rejected_and_the_verify_size_is_the_budget():
         method_spec("eagle+suffix").parse({"k": 3})
     assert method_spec("medusa+prompt-lookup").parse({"nodes": 8}).verify_tokens == 9
     assert MergedTree(0, 3).proposal().tree.size == 1
+
+
+def test_suffix_verifies_only_the_drafts_worth_their_rows_by_the_same_rule():
+    from specdeploy.runtime.drafters.suffix import SuffixConfig, SuffixDrafter
+
+    text = list(range(20, 32))
+    s = DecodeState(text * 3 + text[:2], SamplingParams(), np.random.default_rng(0))
+    whole = SuffixDrafter(SuffixConfig(row_cost=0.0, cache_tokens=0))
+    whole.start(s)
+    assert whole.propose(s).tree.size - 1 == 14  # the repeated text, max_nodes of it
+    trimmed = SuffixDrafter(SuffixConfig(cache_tokens=0))  # row_cost 0.05
+    trimmed.start(s)
+    p = trimmed.propose(s)
+    assert p.tree.size - 1 == 4 and list(p.tokens[1:]) == text[2:6]  # the prior's 0.5: .5^4 >= .05
+    for _ in range(3):  # the target follows the text: the measured acceptance grows, so does the tree
+        nxt = text[(s.tokens.index(int(p.tokens[-1])) + 1) % len(text)]
+        s.tokens.extend([int(t) for t in p.tokens[1:]] + [nxt])
+        trimmed.update(s, p, Verdict(list(range(p.tree.size)), nxt), None)
+        p = trimmed.propose(s)
+    assert p.tree.size - 1 > 4
+    with pytest.raises(SpecDeployError, match=r"config: suffix\.row_cost"):
+        SuffixConfig(row_cost=1.0)
