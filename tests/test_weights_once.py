@@ -266,6 +266,7 @@ def test_quantizing_a_table_stored_once_gives_the_same_graph():
     assert store_tied_tables_once(once.graph) == ["lm_head.weight"]
     assert len(once.graph.initializer) == 2 and once.graph.node[0].op_type == "Transpose"
     assert store_tied_tables_once(once.graph) == []  # nothing left to rewrite
+    tied = onnx.ModelProto.FromString(once.SerializeToString())  # quantize_model rewrites its input
     scheme = WeightScheme(8, 32)
     (a, shared_a), (b, shared_b) = (quantize_model(m, scheme) for m in (model, once))
     assert shared_a == shared_b == "shared"
@@ -273,6 +274,11 @@ def test_quantizing_a_table_stored_once_gives_the_same_graph():
     by_name = {t.name: numpy_helper.to_array(t) for t in b.graph.initializer}
     for t in a.graph.initializer:
         np.testing.assert_array_equal(numpy_helper.to_array(t), by_name[t.name])
+    # TensorRT's weight-only Q/DQ path too: the tied LM head is quantized, not left float
+    from specdeploy.export.quantize_trt import weight_only_qdq
+
+    qdq = weight_only_qdq(tied, 8, block_size=32)
+    assert [n.op_type for n in qdq.graph.node] == ["Gather", "DequantizeLinear", "MatMul"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
