@@ -47,6 +47,8 @@ class CostModel:
         self.calls: dict[int, float] = {}  # calls of decode rows only, by tokens
         self.run_s = 0.0
         self._lock = threading.Lock()
+        self._version = 0  # bumped by each timing: the slope is fitted once per change, not per row's step
+        self._slope: tuple[object, float] = (None, 0.0)
 
     def observe(self, tokens: int, seconds: float, runs: int = 0, replace: bool = False) -> None:
         """A call's time (`replace`: as the size's time, not blended into it); a call with runs
@@ -57,6 +59,7 @@ class CostModel:
                 self.run_s = extra if replace else (1 - EMA) * self.run_s + EMA * extra
             return
         with self._lock:
+            self._version += 1
             old = self.calls.get(tokens)
             self.calls[tokens] = seconds if old is None or replace else (1 - EMA) * old + EMA * seconds
 
@@ -100,10 +103,14 @@ class CostModel:
     def token_s(self) -> float:
         """Seconds a token adds to a call: the least-squares slope over the call sizes measured."""
         with self._lock:
+            key = (id(self.calls), self._version)
+            if self._slope[0] == key:
+                return self._slope[1]
             if len(self.calls) < 2:
                 return 0.0
             x, y = np.array(list(self.calls)), np.array(list(self.calls.values()))
-        return max(0.0, float(np.polyfit(x, y, 1)[0]))
+            self._slope = (key, max(0.0, float(np.polyfit(x, y, 1)[0])))
+            return self._slope[1]
 
 
 class Acceptance:
