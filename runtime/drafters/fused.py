@@ -211,8 +211,6 @@ class FusedDrafter(Drafter):
         for part in self.parts:
             part.start(state)
         self.acceptance = [float(self.config.prior)] * len(self.parts)  # accepted drafts per step
-        # accepted drafts per step the model part adds to a host proposal (running; see update)
-        self.extra = float(self.config.prior)
         # each part's per-draft acceptance (DraftLength's censored geometric, its prior 0.5)
         self.rates = [DraftLength(self.config.nodes, self.config.row_cost) for _ in self.parts]
         self.last: list[PartProposal] = []  # this step's parts and their placement (tests read it)
@@ -226,8 +224,9 @@ class FusedDrafter(Drafter):
 
     def model_worth_it(self) -> bool:
         """Whether the model part's drafts are expected to buy more tokens per second than they cost,
-        beside a host proposal (the accepted drafts they add to the host part's)."""
-        host, gain = self.acceptance[1], self.extra
+        beside a host proposal (what they add where the host part's first draft misses)."""
+        host, model = self.acceptance[1], self.acceptance[0]
+        gain = model * (1 - self.rates[1].rate)
         if gain < self.config.row_cost:
             return False  # not even worth one verify row
         if self.model_s is None or self.step_s is None:
@@ -264,19 +263,11 @@ class FusedDrafter(Drafter):
         if self.last:  # a step this drafter proposed (not a plain one): verify + updates + host drafting
             self.step_s = self._average(self.step_s, time.perf_counter() - self._proposed_at + self._host_s)
         committed = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus
-        keep, got = self.config.decay, [0, 0]
+        keep = self.config.decay
         for i, placed in enumerate(self.last):
             tree = placed.proposal.tree
             if tree.size > 1:  # a part that proposed nothing is not measured this step
-                got[i], rejected = walked(tree, placed.proposal.tokens, committed)
-                self.acceptance[i] = keep * self.acceptance[i] + (1 - keep) * got[i]
-                self.rates[i].observe(got[i] + rejected, got[i])
-        if self.last and self.last[1].proposal.tree.size > 1:
-            # What the model part adds beside the host's proposal: measured where both proposed (a
-            # lookahead trie holding the same copy adds nothing); a step it sat out moves the estimate
-            # toward what it would add where the host's first draft misses, so that a host whose
-            # copies stop being taken brings the model part back.
-            model = self.last[0].proposal.tree.size > 1
-            added = max(0, got[0] - got[1]) if model else self.acceptance[0] * (1 - self.rates[1].rate)
-            self.extra = keep * self.extra + (1 - keep) * added
+                got, rejected = walked(tree, placed.proposal.tokens, committed)
+                self.acceptance[i] = keep * self.acceptance[i] + (1 - keep) * got
+                self.rates[i].observe(got + rejected, got)
         self.last = []

@@ -150,8 +150,9 @@ def test_lazy_the_model_part_sits_out_while_the_host_part_is_measured_better():
         s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
         d.update(s, p, Verdict(path, 99), None)
         asked.append(model.asked)
-    # asked while what it adds to the copy (measured: nothing; from the prior 1 down by 0.7 a step) may
-    # be worth its time, then left out whatever the times: not worth one row (0.7^9 < 0.05)
+    # asked while what it adds where the copy misses (its accepted drafts per step, measured 0 and down
+    # by 0.7 a step, x the copy's miss rate) may be worth its time, then left out whatever the times:
+    # not worth one row
     assert 1 <= asked[9] == asked[-1] <= 9
     assert paths(d.propose(s)) == {(80,), (80, 81), (80, 81, 82)}
     empty = fused(model, Fixed((-1,), []), nodes=6)  # a host with nothing to propose: the model part drafts
@@ -163,7 +164,7 @@ def test_lazy_weighs_the_model_parts_drafting_time_against_what_it_buys():
     model, host = Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0), [80])
     d = fused(model, host, nodes=6)
     assert d.model_worth_it()  # nothing measured yet: draft with both, and measure
-    d.acceptance, d.extra, d.step_s = [2.0, 1.0], 1.0, 1.0  # the model part adds 1 to the host's 1
+    d.acceptance, d.step_s = [2.0, 1.0], 1.0  # the model part adds 2 x the copy's miss rate (prior 0.5) to 1
     d.model_s = 0.2  # 3 tokens per 1.2 s beat 2 per 1.0 s
     assert d.model_worth_it() and (70,) in paths(d.propose(state()))
     d.model_s = 0.6  # 3 per 1.6 s do not
@@ -190,13 +191,13 @@ def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_
     # a step lookahead sits out runs no window: the budget goes to the host part
     lazy = FusedDrafter(LookaheadSuffixConfig(nodes=14), [la, host], window=8)
     lazy.start(s)
-    lazy.acceptance, lazy.extra, lazy.step_s, lazy.model_s = [0.1, 3.0], 0.1, 1.0, 0.0  # 0.4 of a step buys 0.1
+    lazy.acceptance, lazy.step_s, lazy.model_s = [0.1, 3.0], 1.0, 0.0  # the window's 0.4 of a step buys 0.05
     q = lazy.propose(s)
     assert q.aux_tokens is None and q.tree.size - 1 == 4  # the copy's drafts worth a row at the prior (.5^4)
     # the window's rows count as the model part's cost: 8 rows at 5% of a step each
-    lazy.acceptance, lazy.extra, lazy.step_s, lazy.model_s = [2.0, 1.0], 1.0, 1.0, 0.0
-    assert lazy.model_worth_it()  # adding 1 to the host's 1: 3 tokens per 1.4 steps beat 2 per 1
-    lazy.extra = 0.6
+    lazy.acceptance, lazy.step_s, lazy.model_s = [2.0, 1.0], 1.0, 0.0
+    assert lazy.model_worth_it()  # 2 x the copy's miss rate (prior 0.5) added to 1: 3 per 1.4 steps beat 2 per 1
+    lazy.acceptance = [1.2, 1.0]
     assert not lazy.model_worth_it()  # 2.6 per 1.4 do not
 
 
