@@ -57,28 +57,3 @@ def test_draft_heads_train_on_responses_and_are_cached(micro_family, tmp_path):
     logs = []
     eagle.train_eagle_cached(micro_family / "target", data, tmp_path / "eagle", espec, logs.append)
     assert any("reusing" in line for line in logs)
-
-
-def test_sampled_user_messages_end_their_turn_split_by_text_and_repeat_for_a_seed(micro_family):
-    """train/sampled_prompts.py on the micro target, a newline standing for the end-of-turn token."""
-    from specdeploy.export.hf_loading import load_causal_lm
-    from specdeploy.runtime.chat_template import ChatTemplate
-    from specdeploy.train import sampled_prompts
-    from specdeploy.train.distill import target_tokenizer
-
-    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>\n{{ m.content }}\n{% endfor %}")
-    prefix_text = sampled_prompts.user_turn_prefix(template)
-    assert prefix_text.endswith("<user>\n") and "\x00" not in prefix_text
-    model, tok = load_causal_lm(micro_family / "target"), target_tokenizer(micro_family / "target")
-    newline = tok.encode("a\n", add_special_tokens=False).ids[-1]
-    prompt = tok.encode("def f(x):\n").ids
-    got = sampled_prompts.sample_user_messages(model, tok, prompt, {"train": 3, "heldout": 1}, {newline}, seed=3,
-                                               max_tokens=32, batch=32)
-    assert {s: len(t) for s, t in got.items()} == {"train": 3, "heldout": 1}
-    again = sampled_prompts.sample_user_messages(model, tok, prompt, {"train": 2}, {newline}, seed=3,
-                                                 max_tokens=32, batch=32)
-    assert again == {"train": got["train"][:2], "heldout": []}  # the same draws, in the same order
-    texts = got["train"] + got["heldout"]
-    assert len(set(texts)) == len(texts)
-    assert all(len(t.split()) >= 3 for t in texts)
-    assert all(sampled_prompts.split_of_text(t) == s for s, ts in got.items() for t in ts)

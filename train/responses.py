@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..export.hf_loading import load_causal_lm, read_hf_config
 from ..runtime.chat_template import ChatTemplate, chat_messages
 from ..runtime.errors import SpecDeployError
-from . import chat_prompts, corpus, sampled_prompts
+from . import chat_prompts, corpus
 from .cli_finish import finish, say
 from .distill import spec_hash, target_fingerprint, target_tokenizer
 
@@ -61,11 +61,6 @@ class ResponsesSpec:
     batch: int = 64
     bf16: bool = True  # bf16 body, float32 LM head (argmax over bf16 logits would tie often)
     seed: int = 0
-    # chat prompts sampled from the target's own user turn (sampled_prompts.py), beside the
-    # template prompts: train split, held-out split, most tokens per sampled message
-    sampled_chat: int = 0
-    heldout_sampled: int = 0
-    sampled_tokens: int = 64
 
     def config_hash(self) -> str:
         return spec_hash(self, DATA_FORMAT)
@@ -74,13 +69,10 @@ class ResponsesSpec:
 PRESETS = {
     "micro": ResponsesSpec(chat_prompts=8, code_prompts=8, chat_tokens=24, code_tokens=24, heldout_chat=4,
                            heldout_code=4, batch=8),
-    # Half the chat prompts sampled from the target: free-form requests the templates never
-    # produce (SmolLM2-135M's EAGLE head reached teacher-forced top-1 0.22-0.35 on those when
-    # trained on template prompts alone, 0.40-0.48 on held-out template prompts).
-    "default": ResponsesSpec(chat_prompts=160, code_prompts=96, chat_tokens=192, code_tokens=128, heldout_chat=12,
-                             heldout_code=16, sampled_chat=160, heldout_sampled=12),
-    "long": ResponsesSpec(chat_prompts=512, code_prompts=320, chat_tokens=256, code_tokens=128, heldout_chat=12,
-                          heldout_code=16, sampled_chat=512, heldout_sampled=12),
+    "default": ResponsesSpec(chat_prompts=320, code_prompts=96, chat_tokens=192, code_tokens=128, heldout_chat=24,
+                             heldout_code=16),
+    "long": ResponsesSpec(chat_prompts=1024, code_prompts=320, chat_tokens=256, code_tokens=128, heldout_chat=24,
+                          heldout_code=16),
 }
 
 
@@ -180,17 +172,14 @@ def data_hash(data_dir: Path) -> str:
 # ---------------------------------------------------------------- prompts
 
 
-def prompt_ids(target_dir: Path, tok, spec: ResponsesSpec, split: str,
-               sampled: list[str] = ()) -> list[tuple[str, list[int]]]:
-    """(kind, token ids) of one split's prompts: chat (template prompts, then `sampled` user
-    messages) through the target's template, code as raw text."""
+def prompt_ids(target_dir: Path, tok, spec: ResponsesSpec, split: str) -> list[tuple[str, list[int]]]:
+    """(kind, token ids) of one split's prompts: chat through the target's template, code as raw text."""
     chat_n, code_n = ((spec.chat_prompts, spec.code_prompts) if split == "train"
                       else (spec.heldout_chat, spec.heldout_code))
     out = []
     template = ChatTemplate.from_tokenizer_dir(target_dir)
-    if template is not None:  # a base model without a template gets code prompts only
-        templated = chat_prompts.chat_prompts(split, chat_n, seed=spec.seed) if chat_n else []
-        for user in [*templated, *sampled]:
+    if chat_n and template is not None:  # a base model without a template gets code prompts only
+        for user in chat_prompts.chat_prompts(split, chat_n, seed=spec.seed):
             # The template's own special tokens are in the text: encode them as such, add nothing.
             out.append(("chat", tok.encode(template.render(chat_messages(user)), add_special_tokens=False).ids))
     if code_n:
@@ -295,22 +284,6 @@ def _json_or_empty(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def sampled_chat_prompts(target_dir: Path, model, tok, spec: ResponsesSpec, end_ids: set[int],
-                         progress: Progress) -> dict[str, list[str]]:
-    """The spec's sampled user messages per split (none without a chat template or an end-of-turn id)."""
-    template = ChatTemplate.from_tokenizer_dir(target_dir)
-    wanted = {"train": spec.sampled_chat, "heldout": spec.heldout_sampled}
-    if template is None or not end_ids or not any(wanted.values()):
-        return {}
-    t0 = time.perf_counter()
-    prefix = tok.encode(sampled_prompts.user_turn_prefix(template), add_special_tokens=False).ids
-    got = sampled_prompts.sample_user_messages(model, tok, prefix, wanted, end_ids, spec.seed,
-                                               max_tokens=spec.sampled_tokens, batch=spec.batch)
-    progress(f"[responses] sampled {len(got['train'])}+{len(got['heldout'])} user messages from the target "
-             f"(train+held-out; {time.perf_counter() - t0:.0f}s)")
-    return got
-
-
 def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progress: Progress = print) -> dict:
     """Generate (or reuse) both splits' responses for the target in `target_dir`; returns responses.json."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
@@ -326,17 +299,15 @@ def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progre
     cfg = read_hf_config(target_dir)
     tok = target_tokenizer(target_dir)
     target = load_causal_lm(target_dir, "float32")
-    eos = eos_token_ids(target_dir, cfg)
-    sampled = sampled_chat_prompts(target_dir, target, tok, spec, eos, progress)
     head = GreedyHead(target.lm_head)
     body = target.model.to(torch.bfloat16) if spec.bf16 else target.model
+    eos = eos_token_ids(target_dir, cfg)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    meta = {"data_hash": spec.config_hash(), "target_hash": target_hash, "spec": asdict(spec),
-            "sampled_chat": {split: len(texts) for split, texts in sampled.items()}}
+    meta = {"data_hash": spec.config_hash(), "target_hash": target_hash, "spec": asdict(spec)}
     for split in ("heldout", "train"):
-        prompts = prompt_ids(target_dir, tok, spec, split, sampled.get(split, []))
+        prompts = prompt_ids(target_dir, tok, spec, split)
         seqs = []
         for kind, max_new in (("chat", spec.chat_tokens), ("code", spec.code_tokens)):
             mine = [ids for k, ids in prompts if k == kind]
