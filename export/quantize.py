@@ -116,22 +116,6 @@ def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in graph.initializer}
 
 
-def fold_weight_transposes(graph: onnx.GraphProto) -> None:
-    """A float graph stores a tied LM head as a Transpose of the embedding table's bytes
-    (onnx_writer.store_tied_tables_once); fold it back into the [hidden, vocab] MatMul weight,
-    so the quantizer sees a constant-weight MatMul, as ONNX Runtime does at load."""
-    inits = _initializers(graph)
-    folds = {n.output[0]: n for n in graph.node
-             if n.op_type == "Transpose" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2
-             and [a.ints for a in n.attribute if a.name == "perm"] in ([], [[1, 0]])}
-    for name, node in folds.items():
-        graph.initializer.append(numpy_helper.from_array(
-            np.ascontiguousarray(numpy_helper.to_array(inits[node.input[0]]).T), name))
-    kept = [n for n in graph.node if n.output[0] not in folds]
-    graph.ClearField("node")
-    graph.node.extend(kept)
-
-
 def _tied_embedding(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, str] | None:
     """(the embedding Gather, the name of the LM head MatMul's weight) when the gathered table
     is that weight transposed (tied word embeddings), else None."""
@@ -230,7 +214,6 @@ def quantize_model(model: onnx.ModelProto, scheme: WeightScheme) -> tuple[onnx.M
     """The graph with every constant-weight MatMul as MatMulNBits (weights loaded in `model`; the
     LM head at scheme.lm_head_bits), and how its embedding is held: "shared" (tied, reads the
     quantized LM head) or "float"."""
-    fold_weight_transposes(model.graph)
     tied = _tied_embedding(model.graph)
     lm = _lm_head(model.graph)
     if lm is not None and not lm.name:

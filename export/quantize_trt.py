@@ -58,10 +58,7 @@ def quantize_weight(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarr
 def weight_only_qdq(model: onnx.ModelProto, bits: int, block_size: int = 128) -> onnx.ModelProto:
     """A copy of `model` (a portable graph, weights loaded) whose constant-weight MatMuls read
     int4/int8 weights through DequantizeLinear."""
-    from .quantize import fold_weight_transposes
-
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    fold_weight_transposes(model.graph)  # a tied LM head stored as the table's Transpose: a constant again
     if bits == 4:  # Reduce* and friends change between 17 and 21: convert the float graph first
         from onnx import version_converter
 
