@@ -48,7 +48,7 @@ class CostModel:
         self.run_s = 0.0
         self._lock = threading.Lock()
         self._version = 0  # bumped by each timing: the slope is fitted once per change, not per row's step
-        self._slope: tuple[object, float] = (None, 0.0)
+        self._slope: tuple[int, float] = (-1, 0.0)  # (the version it was fitted at, the slope)
 
     def observe(self, tokens: int, seconds: float, runs: int = 0, replace: bool = False) -> None:
         """A call's time (`replace`: as the size's time, not blended into it); a call with runs
@@ -103,13 +103,12 @@ class CostModel:
     def token_s(self) -> float:
         """Seconds a token adds to a call: the least-squares slope over the call sizes measured."""
         with self._lock:
-            key = (id(self.calls), self._version)
-            if self._slope[0] == key:
+            if self._slope[0] == self._version:
                 return self._slope[1]
             if len(self.calls) < 2:
                 return 0.0
             x, y = np.array(list(self.calls)), np.array(list(self.calls.values()))
-            self._slope = (key, max(0.0, float(np.polyfit(x, y, 1)[0])))
+            self._slope = (self._version, max(0.0, float(np.polyfit(x, y, 1)[0])))
             return self._slope[1]
 
 
