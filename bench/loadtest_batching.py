@@ -11,8 +11,10 @@ greedy and seeded alternately, prompts cycled through the mix), and prints one J
 throughput (completion tokens per second of wall time), time to first token and inter-token
 latency p50/p95, tokens per target call (the server's acceptance length, over all requests),
 and the load average before and after. `--rounds R` repeats the whole sweep (configurations
-in reverse order every other round). The export needs the batched graph (python -m
-specdeploy.export.batched_graph EXPORT).
+in reverse order every other round). `--baseline DIR` also serves every configuration from
+another source tree (DIR holds a `specdeploy` package: e.g. `git archive` of the commit before
+a change), as `<config>@baseline`, interleaved with the others: an A/B of a change in one
+run. The export needs the batched graph (python -m specdeploy.export.batched_graph EXPORT).
 
 Mixes (`--mixes`): `toy`, a few short prompts and one long one; `chat`, `grounded` and `code`,
 the bench's shipped held-out prompt sets (bench/prompts: chat questions; summarize / correct /
@@ -72,14 +74,19 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, export: Path, args: list[str]):
+    def __init__(self, export: Path, args: list[str], source: Path | None = None):
+        """`source`: a directory holding the `specdeploy` package to serve from (None: this one)."""
         import httpx
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdeploy.cli", "serve", str(export), "--port",
-                                     str(self.port), "--log-level", "warning", *args],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env = dict(os.environ)
+        if source is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdeploy.cli", "serve", str(export.resolve()),
+                                      "--port", str(self.port), "--log-level", "warning", *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=source)
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
@@ -187,22 +194,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="methods the pool and the adaptive batch cycle through (batch-plain: ar)")
     ap.add_argument("--mixes", nargs="+", default=["mixed"], choices=["toy", "mixed", *SETS])
     ap.add_argument("--greedy", action="store_true", help="every request greedy (default: every other seeded)")
+    ap.add_argument("--baseline", type=Path, help="a directory holding another `specdeploy` package: every "
+                    "configuration is also served from it, as <config>@baseline")
     args = ap.parse_args(argv)
+    if args.baseline is not None and not (args.baseline / "specdeploy" / "cli.py").is_file():
+        ap.error(f"--baseline {args.baseline}: no specdeploy/cli.py there")
     queue = str(max(args.clients) * 2)
     configs = {"pool": (["--pool-size", str(args.pool_size), "--queue", queue], args.methods),
                "batch": (["--batch", str(args.batch), "--queue", queue], args.methods),
                "batch-plain": (["--batch", str(args.batch), "--queue", queue], ["ar"])}
+    names = list(args.configs)
+    if args.baseline is not None:
+        configs.update({f"{name}@baseline": configs[name] for name in args.configs})
+        names = [n for name in args.configs for n in (name, f"{name}@baseline")]
     servers: dict[str, Server] = {}
     try:
-        for name in args.configs:
-            servers[name] = Server(args.export, configs[name][0])
+        for name in names:
+            servers[name] = Server(args.export, configs[name][0], args.baseline if "@" in name else None)
             methods = configs[name][1]  # warm-up: every method's graphs opened
             run_load(servers[name].url, args.export.name, 1, len(methods), methods, 4, mix_prompts("toy"))
         for round_ in range(args.rounds):
             for mix in args.mixes:
                 prompts = mix_prompts(mix)
                 for clients in args.clients:
-                    for name in args.configs if round_ % 2 == 0 else args.configs[::-1]:
+                    for name in names if round_ % 2 == 0 else names[::-1]:
                         server_args, methods = configs[name]
                         row = run_load(servers[name].url, args.export.name, clients, args.requests, methods,
                                        args.max_tokens, prompts, args.greedy)

@@ -43,6 +43,8 @@ def _batch1_session(export):
 def _run(session, ids, positions, mask, past, kv):
     names = [o.name for o in session.get_outputs()]
     feeds = {INPUT_IDS: ids, POSITION_IDS: positions, TREE_MASK: mask, PAST_LENGTH: past, **kv}
+    if "logit_rows" in {i.name for i in session.get_inputs()}:  # a batch-1 graph that can score fewer rows
+        feeds["logit_rows"] = np.array([ids.shape[1]], np.int64)
     return dict(zip(names, session.run(None, feeds)))
 
 
@@ -180,6 +182,7 @@ def test_rows_stay_lossless_whatever_draft_size_the_policy_picks(batched_export,
     """With the load-aware policy on, flat costs and at most two drafts weighed, every request
     still prints its batch-1 tokens (drafters see truncated proposals, and plain steps when the
     seats are taken)."""
+    from specdeploy.runtime.batching.policy import CostModel
     from specdeploy.runtime.service import Service
 
     alone, _ = services
@@ -187,8 +190,11 @@ def test_rows_stay_lossless_whatever_draft_size_the_policy_picks(batched_export,
     svc = Service.load(batched_export, batch=3, queue_size=8)
     row = svc.pool.exports[0]
     assert row.policy.enabled and row.policy.costs.calls  # calibrated at load
-    row.batcher.observers.clear()  # fixed costs: a draft is free, so each row drafts what it may
-    row.policy.costs.calls, row.policy.costs.run_s, row.policy.sizes = {1: 1.0, 1000: 1.0}, 0.0, (1, 2)
+    row.batcher.observers.clear()
+    flat = CostModel()  # fixed costs: a draft is free, so each row drafts what it may
+    for tokens in (1, 1000):
+        flat.observe(tokens, 1.0, replace=True)
+    row.policy.costs, row.policy.sizes = flat, (1, 2)
     jobs = [dict(job, max_new_tokens=10, ignore_eos=True) for job in JOBS if job["method"] != "lookahead"]
     with ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda job: svc.generate(**job), jobs))

@@ -10,17 +10,18 @@ current rate of tokens per second:
 call(N): seconds of a call of N tokens as decode rows; token: the slope of a line fitted to
 those times (one noisy timing never makes a draft look free); run: what a row's tokens cost
 more as a run of their own (its attention node beside the decode rows', graph.py) than as
-decode rows; all measured (`CostModel`: at start-up by `calibrate`, then every call the
-scheduler runs); draft: the method's measured time to propose (an EAGLE or draft model's
-calls run on the same cores as the target's, and the row is not ready for the call until it
-is done); n: the rows running. E(k): the tokens a
+decode rows; all measured (`CostModel`: at start-up by `calibrate`, then scaled by every
+call the scheduler runs to the machine's current load); draft: the method's measured time
+to propose (an EAGLE or draft model's calls run on the same cores as the target's, and the
+row is not ready for the call until it is done); n: the rows running. E(k): the tokens a
 step of k drafts yields, from the row's measured acceptance (a per-draft rate: drafts
-accepted over drafts accepted plus steps cut short, the method's rate over all rows as the
-prior). With one row this is the batch-1 rule (speculate while tokens per second beat plain
-decoding); as rows join, call(n) / n falls while a token's cost stays, so speculation
-shrinks toward plain decoding. A speculative step also needs one of the scheduler's seats
-(one run of the call each). Either kind of step is lossless, so the choice never changes a
-row's tokens.
+accepted over drafts accepted plus steps cut short, recent steps weighing most, the
+method's rate over all rows as the prior). With one row this is the batch-1 rule (speculate
+while tokens per second beat plain decoding); as rows join, call(n) / n falls while a
+token's cost stays, so speculation shrinks toward plain decoding. A row kept plain still
+probes with one draft now and then (EXPLORE), so a rate that fell low can rise again. A
+speculative step also needs one of the scheduler's seats (one run of the call each). Either
+kind of step is lossless, so the choice never changes a row's tokens.
 """
 
 from __future__ import annotations
@@ -36,34 +37,53 @@ from ..tree import Tree
 
 EMA = 0.2  # weight of the newest timing of a call size
 PRIOR_STEPS = 4.0  # speculative steps the method's rate counts for in a row's estimate
+# Acceptance is weighed toward recent steps (a copy starts or stops matching mid-answer): each new
+# speculative step keeps this share of a row's history, and of the method's over all rows.
+ROW_DECAY, METHOD_DECAY = 0.8, 0.95
+# A row the policy keeps plain still probes with one draft once its plain steps' worth (at the
+# batch's rate per token) is 1 / EXPLORE times the probe's cost: without it, a rate that fell low
+# never sees another sample and the row (and, through the prior, every row of its method) stays
+# plain for good, whatever the drafter would propose now.
+EXPLORE = 0.05
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 11, 14)  # draft sizes the policy weighs (capped by each proposal)
 
 
 class CostModel:
     """Seconds of a call of the batched graph by the tokens it computes, and what each run in it
-    costs beyond that."""
+    costs beyond that: the cost curve's shape as measured (`calibrate`, or `replace` timings),
+    times how much slower calls run now than then (`load`), which every call the scheduler runs
+    refines. A shared machine's load moves every call's time alike: refining each size's time
+    only from calls of that size left the sizes a row's drafts add up to at their start-up
+    times, so beside a loaded plain step a token looked cheaper than it was."""
 
     def __init__(self):
-        self.calls: dict[int, float] = {}  # calls of decode rows only, by tokens
-        self.run_s = 0.0
+        self.calls: dict[int, float] = {}  # calls of decode rows only, by tokens, as measured
+        self._run_s = 0.0  # as measured, negative noise included (clipped where used)
+        self.load = 1.0  # calls' time now over the measured curve's: an average of each call's ratio
         self._lock = threading.Lock()
-        self._version = 0  # bumped by each timing: the slope is fitted once per change, not per row's step
+        self._version = 0  # bumped by each measured size: the slope is fitted once per change, not per step
         self._slope: tuple[int, float] = (-1, 0.0)  # (the version it was fitted at, the slope)
 
     def observe(self, tokens: int, seconds: float, runs: int = 0, replace: bool = False) -> None:
-        """A call's time (`replace`: as the size's time, not blended into it); a call with runs
-        refines the run's cost (its time beyond a call of as many decode rows' tokens)."""
-        if runs:
-            extra = max(0.0, (seconds - self.call_s(tokens)) / runs)
-            with self._lock:
-                self.run_s = extra if replace else (1 - EMA) * self.run_s + EMA * extra
-            return
+        """A call's time. `replace`: a measurement of the curve (a call of `tokens` decode rows,
+        or with `runs` runs: the run's cost, its time beyond as many decode rows' tokens);
+        otherwise it refines `load` (the first call of a size with nothing measured is its time;
+        calls beyond the largest size measured, prefill chunks, only extrapolate the curve and
+        are left out)."""
         with self._lock:
-            self._version += 1
-            old = self.calls.get(tokens)
-            self.calls[tokens] = seconds if old is None or replace else (1 - EMA) * old + EMA * seconds
+            base = self._interpolate(self.calls, tokens)
+            if replace and runs:
+                self._run_s = (seconds - base) / runs
+            elif replace or not self.calls:
+                if not runs:
+                    self._version += 1
+                    self.calls[tokens] = seconds
+            elif tokens <= max(self.calls):
+                predicted = base + runs * max(0.0, self._run_s)
+                if predicted > 0:
+                    self.load = (1 - EMA) * self.load + EMA * seconds / predicted
 
-    def calibrate(self, batcher, rows: list[int], tokens: list[int], repeats: int = 2) -> None:
+    def calibrate(self, batcher, rows: list[int], tokens: list[int], repeats: int = 3) -> None:
         """Time call sizes before serving: `rows` decode rows alone, and one decode row with a
         run of t - 1 tokens for each t of `tokens`; a warm-up call, then the fastest of `repeats`."""
         shapes = [(r, 0) for r in rows] + [(1, t - 1) for t in tokens if t > 1]
@@ -72,11 +92,20 @@ class CostModel:
             batcher.time_call(r, t)
             seconds = min(batcher.time_call(r, t) for _ in range(repeats))
             if t:
-                runs.append(max(0.0, seconds - self.call_s(r + t)))
+                runs.append(seconds - self._interpolate(self.calls, r + t))
             else:
                 self.observe(r, seconds, replace=True)
         if runs:
-            self.run_s = float(np.median(runs))
+            self._run_s = float(np.median(runs))
+        self.load = 1.0
+
+    @property
+    def run_s(self) -> float:
+        return self.load * max(0.0, self._run_s)
+
+    @run_s.setter
+    def run_s(self, seconds: float) -> None:
+        self._run_s = seconds / self.load
 
     @staticmethod
     def _interpolate(table: dict[int, float], x: int) -> float:
@@ -98,32 +127,34 @@ class CostModel:
 
     def call_s(self, tokens: int) -> float:
         with self._lock:
-            return self._interpolate(self.calls, tokens) if tokens > 0 else 0.0
+            return self.load * self._interpolate(self.calls, tokens) if tokens > 0 else 0.0
 
     def token_s(self) -> float:
         """Seconds a token adds to a call: the least-squares slope over the call sizes measured."""
         with self._lock:
-            if self._slope[0] == self._version:
-                return self._slope[1]
-            if len(self.calls) < 2:
-                return 0.0
-            x, y = np.array(list(self.calls)), np.array(list(self.calls.values()))
-            self._slope = (self._version, max(0.0, float(np.polyfit(x, y, 1)[0])))
-            return self._slope[1]
+            if self._slope[0] != self._version:
+                if len(self.calls) < 2:
+                    return 0.0
+                x, y = np.array(list(self.calls)), np.array(list(self.calls.values()))
+                self._slope = (self._version, max(0.0, float(np.polyfit(x, y, 1)[0])))
+            return self.load * self._slope[1]
 
 
 class Acceptance:
-    """Drafts accepted and steps cut short (a draft rejected) over speculative steps."""
+    """Drafts accepted and steps cut short (a draft rejected) over speculative steps, each older
+    step weighing `decay` times the next."""
 
-    def __init__(self):
+    def __init__(self, decay: float = 1.0):
+        self.decay = decay
         self.accepted = 0.0
         self.cut = 0.0
-        self.steps = 0
+        self.steps = 0.0
 
     def add(self, accepted: int, cut: bool) -> None:
-        self.accepted += accepted
-        self.cut += cut
-        self.steps += 1
+        d = self.decay
+        self.accepted = d * self.accepted + accepted
+        self.cut = d * self.cut + cut
+        self.steps = d * self.steps + 1
 
     def rate(self, prior: "Acceptance | None" = None) -> float:
         """Per-draft acceptance rate; a prior (the method's, over all rows) counts as PRIOR_STEPS steps."""
@@ -148,9 +179,10 @@ class SpeculationPolicy:
         self.draft_times: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def draft_size(self, rows: int, rate: float, most: int, draft_s: float = 0.0) -> int:
+    def draft_size(self, rows: int, rate: float, most: int, draft_s: float = 0.0, plain_steps: int = 0) -> int:
         """Drafts for a row's next step (0: plain) with `rows` rows running, at most `most`;
-        `draft_s`: seconds its drafter takes to propose."""
+        `draft_s`: seconds its drafter takes to propose; `plain_steps`: the row's plain steps
+        since its last speculative one (enough of them buy a probe of one draft: EXPLORE)."""
         if most < 1:
             return 0
         if not self.enabled:
@@ -162,11 +194,13 @@ class SpeculationPolicy:
             gain = (expected_tokens(rate, k) - 1) * per_token - (k * token + run + draft_s)
             if gain > best:
                 best, best_k = gain, k
+        if best_k == 0 and EXPLORE * plain_steps * per_token >= token + run + draft_s:
+            return 1  # a probe
         return best_k
 
     def observe(self, method: str, accepted: int, cut: bool) -> None:
         with self._lock:
-            self.methods.setdefault(method, Acceptance()).add(accepted, cut)
+            self.methods.setdefault(method, Acceptance(METHOD_DECAY)).add(accepted, cut)
 
     def observe_draft(self, method: str, seconds: float) -> None:
         """A proposal's time (the method's average, over all rows)."""
@@ -203,7 +237,8 @@ class LoadAwareDrafter(Drafter):
         self.inner, self.policy, self.batcher, self.slot, self.most = inner, policy, batcher, slot, most
         self.name, self.deterministic = inner.name, inner.deterministic
         self.default_sampling = inner.default_sampling
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance(ROW_DECAY)
+        self.plain_steps = 0  # since the last speculative step
 
     def prefilled(self, target_out) -> None:
         self.inner.prefilled(target_out)
@@ -213,7 +248,8 @@ class LoadAwareDrafter(Drafter):
 
     def propose(self, state: DecodeState) -> Proposal:
         rate = self.acceptance.rate(self.policy.prior(self.name))
-        k = self.policy.draft_size(max(1, self.batcher.active), rate, self.most, self.policy.draft_s(self.name))
+        k = self.policy.draft_size(max(1, self.batcher.active), rate, self.most, self.policy.draft_s(self.name),
+                                   self.plain_steps)
         if k and self.policy.enabled and not self.batcher.take_seat(self.slot):
             k = 0
         if k == 0:
@@ -224,6 +260,7 @@ class LoadAwareDrafter(Drafter):
         return truncated(proposal, k)
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
+        self.plain_steps = 0 if proposal.size > 1 else self.plain_steps + 1
         if proposal.size > 1 and proposal.aux_tokens is None:
             depth = int(proposal.tree.depth.max())
             cut = verdict.accepted_drafts < depth

@@ -14,7 +14,7 @@ def cpu_like_costs() -> CostModel:
     each token adds a little."""
     costs = CostModel()
     for tokens in (1, 2, 4, 8, 16, 32, 64):
-        costs.observe(tokens, 0.020 + 0.002 * tokens)
+        costs.observe(tokens, 0.020 + 0.002 * tokens, replace=True)
     return costs
 
 
@@ -75,6 +75,28 @@ def test_costs_interpolate_between_measured_sizes():
     assert 0.05 < costs.call_s(8) < 1.0
 
 
+def test_a_loaded_machine_slows_every_call_size_alike():
+    """Calls of one size timed at twice their measured time (another process took a core) make
+    every size, a token and a run twice as dear, so the balance between them stays as measured;
+    a prefill chunk beyond the sizes measured moves nothing."""
+    def measured() -> CostModel:
+        costs = cpu_like_costs()
+        costs.observe(6, costs.call_s(6) + 0.004, runs=1, replace=True)
+        return costs
+
+    costs = measured()
+    before = costs.call_s(1), costs.call_s(64), costs.token_s(), costs.run_s
+    for _ in range(60):
+        costs.observe(4, 2 * 0.028)
+        costs.observe(4 + 5, 2 * (0.020 + 0.002 * 9 + 0.004), runs=1)
+    assert np.allclose((costs.call_s(1), costs.call_s(64), costs.token_s(), costs.run_s), np.multiply(before, 2))
+    costs.observe(200, 100.0)
+    assert np.isclose(costs.call_s(1), 2 * before[0])
+    policy = SpeculationPolicy(costs)
+    assert [policy.draft_size(n, 0.6, 14) for n in (1, 4)] == [SpeculationPolicy(measured()).draft_size(n, 0.6, 14)
+                                                                for n in (1, 4)]
+
+
 def test_expected_tokens_and_truncation_keep_a_tree():
     assert expected_tokens(0.0, 5) == 1 and np.isclose(expected_tokens(1.0, 5), 6)
     tree = Tree((-1, 0, 0, 1, 2, 3))
@@ -82,3 +104,30 @@ def test_expected_tokens_and_truncation_keep_a_tree():
     cut = truncated(p, 3)
     assert cut.tree.parents == (-1, 0, 0, 1) and list(cut.tokens) == [0, 1, 2, 3]
     assert truncated(p, 9) is p
+
+
+def test_a_row_kept_plain_probes_with_one_draft_after_enough_plain_steps():
+    """A low rate keeps a row plain, but its plain steps buy a probe of one draft (a rate that
+    never sees another sample would keep the row, and its method's prior, plain for good);
+    a dearer drafter waits longer for it."""
+    policy = SpeculationPolicy(cpu_like_costs())
+    assert policy.draft_size(4, rate=0.01, most=14, plain_steps=0) == 0
+    waits = []
+    for draft_s in (0.0, 0.010):
+        steps = next(n for n in range(1, 1000) if policy.draft_size(4, 0.01, 14, draft_s, plain_steps=n))
+        assert policy.draft_size(4, 0.01, 14, draft_s, plain_steps=steps) == 1
+        waits.append(steps)
+    assert 1 < waits[0] < waits[1]
+    assert policy.draft_size(1, rate=0.9, most=14, plain_steps=500) > 1  # a good rate drafts what pays
+
+
+def test_recent_steps_weigh_most_in_a_rows_acceptance():
+    from specdeploy.runtime.batching.policy import ROW_DECAY, Acceptance
+
+    rows = Acceptance(ROW_DECAY), Acceptance()
+    for acceptance in rows:
+        for _ in range(30):
+            acceptance.add(0, True)
+        for _ in range(4):
+            acceptance.add(6, False)
+    assert rows[0].rate() > 0.5 > rows[1].rate()
