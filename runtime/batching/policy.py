@@ -14,9 +14,9 @@ decode rows; all measured (`CostModel`: at start-up by `calibrate`, then scaled 
 call the scheduler runs to the machine's current load); draft: the method's measured time
 to propose (an EAGLE or draft model's calls run on the same cores as the target's, and the
 row is not ready for the call until it is done); n: the rows running. E(k): the tokens a
-step of k drafts yields, from the row's measured acceptance (a per-draft rate: drafts
-accepted over drafts accepted plus steps cut short, recent steps weighing most, the
-method's rate over all rows as the prior). With one row this is the batch-1 rule (speculate
+step of k drafts yields, 1 + S(1) + ... + S(k), from the row's measured acceptance (S(j):
+the chance that at least j drafts are accepted, recent steps weighing most, the method's
+over all rows as the prior: `Acceptance`). With one row this is the batch-1 rule (speculate
 while tokens per second beat plain decoding); as rows join, call(n) / n falls while a
 token's cost stays, so speculation shrinks toward plain decoding. A row kept plain still
 probes with one draft now and then (EXPLORE), so a rate that fell low can rise again. A
@@ -141,34 +141,46 @@ class CostModel:
 
 
 class Acceptance:
-    """Drafts accepted and steps cut short (a draft rejected) over speculative steps, each older
-    step weighing `decay` times the next."""
+    """How deep a row's drafts are accepted: per depth j, the weight of speculative steps that
+    verified a j-th draft and of those that rejected it there, each older step weighing `decay`
+    times the next. Copied text is accepted in runs (a copy is right for a long stretch or wrong
+    from its first token), so a per-draft rate a^j, fitted to a mix of both, overvalues a few
+    drafts of a copy that is wrong as often as not (a row of 4 clients drafted 4 of them at
+    2.5 tokens per call and ran no faster than plain); the chance S(j) that at least j drafts
+    are accepted is the product of each depth's survival (Kaplan-Meier)."""
 
-    def __init__(self, decay: float = 1.0):
+    def __init__(self, decay: float = 1.0, depth: int = max(DRAFT_SIZES)):
         self.decay = decay
-        self.accepted = 0.0
-        self.cut = 0.0
+        self.reached = np.zeros(depth)
+        self.failed = np.zeros(depth)
         self.steps = 0.0
 
-    def add(self, accepted: int, cut: bool) -> None:
+    def add(self, accepted: int, drafted: int) -> None:
+        """A step that verified drafts up to depth `drafted` and accepted `accepted` of them."""
         d = self.decay
-        self.accepted = d * self.accepted + accepted
-        self.cut = d * self.cut + cut
+        self.reached *= d
+        self.failed *= d
         self.steps = d * self.steps + 1
+        self.reached[: min(accepted + 1, drafted)] += 1  # the accepted ones, and the one rejected
+        if accepted < min(drafted, len(self.failed)):
+            self.failed[accepted] += 1
 
-    def rate(self, prior: "Acceptance | None" = None) -> float:
-        """Per-draft acceptance rate; a prior (the method's, over all rows) counts as PRIOR_STEPS steps."""
-        a, c = self.accepted, self.cut
+    def survival(self, prior: "Acceptance | None" = None) -> np.ndarray:
+        """S(1..depth); a prior (the method's, over all rows) counts as PRIOR_STEPS steps, and a
+        depth without samples reads as a one-half chance of surviving it."""
+        reached, failed = self.reached, self.failed
         if prior is not None and prior.steps:
-            a += prior.accepted * PRIOR_STEPS / prior.steps
-            c += prior.cut * PRIOR_STEPS / prior.steps
-        return (a + 1.0) / (a + c + 2.0)  # Laplace: no samples reads as one half
+            reached = reached + prior.reached * PRIOR_STEPS / prior.steps
+            failed = failed + prior.failed * PRIOR_STEPS / prior.steps
+        return np.cumprod(1.0 - (failed + 0.5) / (reached + 1.0))
 
 
-def expected_tokens(rate: float, drafts: int) -> float:
-    """Tokens a step of a `drafts`-long chain yields when each draft is accepted with `rate`
-    (the accepted prefix plus the target's own next token)."""
-    return float(np.sum(rate ** np.arange(drafts + 1)))
+def expected_tokens(survival: float | np.ndarray, drafts: int) -> float:
+    """Tokens a step of a `drafts`-long chain yields (the accepted prefix plus the target's own
+    next token): `survival` S(1..) (Acceptance.survival), or a per-draft rate a (S(j) = a^j)."""
+    if np.ndim(survival) == 0:
+        return float(np.sum(float(survival) ** np.arange(drafts + 1)))
+    return 1.0 + float(np.sum(np.asarray(survival)[:drafts]))
 
 
 class SpeculationPolicy:
@@ -179,8 +191,10 @@ class SpeculationPolicy:
         self.draft_times: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def draft_size(self, rows: int, rate: float, most: int, draft_s: float = 0.0, plain_steps: int = 0) -> int:
+    def draft_size(self, rows: int, survival: float | np.ndarray, most: int, draft_s: float = 0.0,
+                   plain_steps: int = 0) -> int:
         """Drafts for a row's next step (0: plain) with `rows` rows running, at most `most`;
+        `survival`: the row's S(1..) (Acceptance.survival), or a per-draft rate a (S(j) = a^j);
         `draft_s`: seconds its drafter takes to propose; `plain_steps`: the row's plain steps
         since its last speculative one (enough of them buy a probe of one draft: EXPLORE)."""
         if most < 1:
@@ -191,16 +205,16 @@ class SpeculationPolicy:
         token, run = self.costs.token_s(), self.costs.run_s
         best, best_k = 0.0, 0
         for k in sorted({min(k, most) for k in self.sizes}):
-            gain = (expected_tokens(rate, k) - 1) * per_token - (k * token + run + draft_s)
+            gain = (expected_tokens(survival, k) - 1) * per_token - (k * token + run + draft_s)
             if gain > best:
                 best, best_k = gain, k
         if best_k == 0 and EXPLORE * plain_steps * per_token >= token + run + draft_s:
             return 1  # a probe
         return best_k
 
-    def observe(self, method: str, accepted: int, cut: bool) -> None:
+    def observe(self, method: str, accepted: int, drafted: int) -> None:
         with self._lock:
-            self.methods.setdefault(method, Acceptance(METHOD_DECAY)).add(accepted, cut)
+            self.methods.setdefault(method, Acceptance(METHOD_DECAY)).add(accepted, drafted)
 
     def observe_draft(self, method: str, seconds: float) -> None:
         """A proposal's time (the method's average, over all rows)."""
@@ -247,8 +261,8 @@ class LoadAwareDrafter(Drafter):
         self.inner.start(state)
 
     def propose(self, state: DecodeState) -> Proposal:
-        rate = self.acceptance.rate(self.policy.prior(self.name))
-        k = self.policy.draft_size(max(1, self.batcher.active), rate, self.most, self.policy.draft_s(self.name),
+        survival = self.acceptance.survival(self.policy.prior(self.name))
+        k = self.policy.draft_size(max(1, self.batcher.active), survival, self.most, self.policy.draft_s(self.name),
                                    self.plain_steps)
         if k and self.policy.enabled and not self.batcher.take_seat(self.slot):
             k = 0
@@ -263,7 +277,6 @@ class LoadAwareDrafter(Drafter):
         self.plain_steps = 0 if proposal.size > 1 else self.plain_steps + 1
         if proposal.size > 1 and proposal.aux_tokens is None:
             depth = int(proposal.tree.depth.max())
-            cut = verdict.accepted_drafts < depth
-            self.acceptance.add(verdict.accepted_drafts, cut)
-            self.policy.observe(self.name, verdict.accepted_drafts, cut)
+            self.acceptance.add(verdict.accepted_drafts, depth)
+            self.policy.observe(self.name, verdict.accepted_drafts, depth)
         self.inner.update(state, proposal, verdict, target_out)

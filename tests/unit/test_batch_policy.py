@@ -20,14 +20,14 @@ def cpu_like_costs() -> CostModel:
 
 def test_speculation_shrinks_to_plain_decoding_as_rows_join():
     policy = SpeculationPolicy(cpu_like_costs())
-    sizes = [policy.draft_size(rows, rate=0.6, most=14) for rows in (1, 2, 4, 8, 16, 32)]
+    sizes = [policy.draft_size(rows, 0.6, most=14) for rows in (1, 2, 4, 8, 16, 32)]
     assert sizes[0] > 1 and sizes[-1] == 0
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))
 
 
 def test_draft_size_grows_with_acceptance_and_a_disabled_policy_drafts_all():
     policy = SpeculationPolicy(cpu_like_costs())
-    sizes = [policy.draft_size(1, rate=r, most=14) for r in (0.01, 0.5, 0.9)]
+    sizes = [policy.draft_size(1, r, most=14) for r in (0.01, 0.5, 0.9)]
     assert sizes[0] == 0 and sizes[0] < sizes[1] <= sizes[2]
     assert SpeculationPolicy(cpu_like_costs(), enabled=False).draft_size(16, 0.05, 14) == 14
 
@@ -39,7 +39,7 @@ def test_a_noisy_timing_never_makes_drafts_look_free():
     costs.observe(13, 0.030, replace=True)  # below the 8-token call's time
     assert np.isclose(costs.token_s(), np.polyfit(list(costs.calls), list(costs.calls.values()), 1)[0])
     assert costs.token_s() > 0.001
-    assert SpeculationPolicy(costs).draft_size(12, rate=0.05, most=8) == 0
+    assert SpeculationPolicy(costs).draft_size(12, 0.05, most=8) == 0
 
 
 def test_a_runs_own_cost_makes_a_row_draft_only_for_more_tokens():
@@ -49,8 +49,8 @@ def test_a_runs_own_cost_makes_a_row_draft_only_for_more_tokens():
     costs.observe(6, costs.call_s(6) + 0.010, runs=1, replace=True)
     assert np.isclose(costs.run_s, 0.010)
     cheap, dear = SpeculationPolicy(cpu_like_costs()), SpeculationPolicy(costs)
-    assert dear.draft_size(4, rate=0.3, most=8) < cheap.draft_size(4, rate=0.3, most=8)
-    assert dear.draft_size(1, rate=0.9, most=8) > 0
+    assert dear.draft_size(4, 0.3, most=8) < cheap.draft_size(4, 0.3, most=8)
+    assert dear.draft_size(1, 0.9, most=8) > 0
 
 
 def test_a_methods_drafting_time_counts_against_its_drafts():
@@ -62,9 +62,9 @@ def test_a_methods_drafting_time_counts_against_its_drafts():
     policy.observe_draft("eagle", 0.020)
     assert 0.020 < policy.draft_s("eagle") < 0.030
     draft = policy.draft_s("eagle")
-    assert policy.draft_size(1, rate=0.8, most=8, draft_s=draft) > 0
-    assert policy.draft_size(1, rate=0.3, most=8, draft_s=draft) == 0 < policy.draft_size(1, rate=0.3, most=8)
-    assert policy.draft_size(4, rate=0.8, most=8, draft_s=draft) == 0 < policy.draft_size(4, rate=0.8, most=8)
+    assert policy.draft_size(1, 0.8, most=8, draft_s=draft) > 0
+    assert policy.draft_size(1, 0.3, most=8, draft_s=draft) == 0 < policy.draft_size(1, 0.3, most=8)
+    assert policy.draft_size(4, 0.8, most=8, draft_s=draft) == 0 < policy.draft_size(4, 0.8, most=8)
 
 
 def test_costs_interpolate_between_measured_sizes():
@@ -111,14 +111,14 @@ def test_a_row_kept_plain_probes_with_one_draft_after_enough_plain_steps():
     never sees another sample would keep the row, and its method's prior, plain for good);
     a dearer drafter waits longer for it."""
     policy = SpeculationPolicy(cpu_like_costs())
-    assert policy.draft_size(4, rate=0.01, most=14, plain_steps=0) == 0
+    assert policy.draft_size(4, 0.01, most=14, plain_steps=0) == 0
     waits = []
     for draft_s in (0.0, 0.010):
         steps = next(n for n in range(1, 1000) if policy.draft_size(4, 0.01, 14, draft_s, plain_steps=n))
         assert policy.draft_size(4, 0.01, 14, draft_s, plain_steps=steps) == 1
         waits.append(steps)
     assert 1 < waits[0] < waits[1]
-    assert policy.draft_size(1, rate=0.9, most=14, plain_steps=500) > 1  # a good rate drafts what pays
+    assert policy.draft_size(1, 0.9, most=14, plain_steps=500) > 1  # a good rate drafts what pays
 
 
 def test_recent_steps_weigh_most_in_a_rows_acceptance():
@@ -127,7 +127,27 @@ def test_recent_steps_weigh_most_in_a_rows_acceptance():
     rows = Acceptance(ROW_DECAY), Acceptance()
     for acceptance in rows:
         for _ in range(30):
-            acceptance.add(0, True)
+            acceptance.add(0, 6)
         for _ in range(4):
-            acceptance.add(6, False)
-    assert rows[0].rate() > 0.5 > rows[1].rate()
+            acceptance.add(6, 6)
+    assert rows[0].survival()[0] > 0.5 > rows[1].survival()[0]
+
+
+def test_drafts_copied_right_or_wrong_whole_are_weighed_whole():
+    """A row whose copies are accepted whole one step in three and rejected at the first draft
+    otherwise: each draft adds a third of a token, so it drafts all it may where a token costs
+    less than that and none where it costs more. A per-draft rate fitted to the same steps
+    (8 accepted per 2 rejections: 0.8) drafts a few at 8 rows, each worth less than it costs."""
+    from specdeploy.runtime.batching.policy import Acceptance
+
+    row = Acceptance()
+    for _ in range(20):
+        for accepted in (8, 0, 0):
+            row.add(accepted, 8)
+    survival = row.survival()
+    assert np.allclose(survival[:8], 1 / 3, atol=0.06)
+    policy = SpeculationPolicy(cpu_like_costs())  # a token: 2 ms; a plain step per row: 22 ms alone, 4.5 at 8 rows
+    assert policy.draft_size(1, survival, most=8) == 8
+    assert policy.draft_size(8, survival, most=8) == 0
+    assert 0 < policy.draft_size(8, 0.8, most=8) < 8
+    assert np.isclose(expected_tokens(survival, 8), 1 + np.sum(survival[:8]))
