@@ -7,32 +7,32 @@ trie under the root of at most `nodes` candidates (below).
 
 The parts are a model part (EAGLE, Medusa: head calls every step it drafts; lookahead: its
 Jacobi window's rows in the verify call) and a host part (suffix, prompt lookup: next to
-free). The host part proposes first; with `lazy`, the model part sits the step out when the
-tokens per second expected with its drafts, (1 + host + gain) / (step + model's cost), are no
-more than without, (1 + host) / step, where host is the host part's accepted drafts per step,
-gain the model part's times the chance the host part's first draft is wrong (1 - its per-draft
-acceptance: where the copy is right, the heads' different guesses are not taken), and times
-are measured in this request (running averages); and whatever the times, when that gain is
-not worth one verify row (`row_cost`, below). The model's cost is its drafting time plus,
-for lookahead, its window rows at `row_cost` of a step each. On copied text the heads'
-calls buy little. A skipped EAGLE head catches up on the skipped steps' features the next
-time it drafts. Lookahead's window (auxiliary rows after the tree, runtime/drafters/lookahead.py)
-rides in the merged step, its rows taken from the node budget (verify T stays `nodes` + 1);
-a step it sits out runs no window (the whole budget goes to the host part), and its window
-then refills from fresh outputs. Timing decides only which drafts are tried, never which
-tokens are emitted.
+free). The host part proposes first; with `lazy`, the model part sits the step out unless the
+tokens per step time expected with its drafts beat those without, by what it measurably added
+in the steps it drafted: the accepted drafts past the host's placed nodes (a head or trie that
+agrees with the copy adds nothing), against its cost, the verify rows it added at `row_cost` of
+a step each (its nodes, lookahead's window) plus its drafting time over a plain step's (running
+averages in this request). Beside a host proposal and alone (the host has nothing) are measured
+apart: a part that does not pay alone (EAGLE or Medusa on chat) is no more drafted for want of a
+copy. A step it sits out tells nothing new of it; what it is expected to add scales with the
+host's miss rate now against where it was measured, so a host whose copies stop being taken
+brings it back. A skipped EAGLE head catches up on
+the skipped steps' features the next time it drafts. Lookahead's window (auxiliary rows after
+the tree, runtime/drafters/lookahead.py) rides in the merged step, its rows taken from the node
+budget (verify T stays `nodes` + 1); a step it sits out runs no window, and its window then
+refills from fresh outputs. Its trie holds only its pool's n-grams here: the host part copies.
+Timing decides only which drafts are tried, never which tokens are emitted.
 
 Which nodes go in is one rule for every pair (drafters/tree_budget.py): a node is worth the
 chance that the target's path runs through it, and goes in, best first, while that is at least
-`row_cost` and the budget lasts. Each part's per-draft acceptance is measured in this request
-on its own full proposal (the committed tokens walked down it), so a part's child is worth its
-merged parent's worth times that acceptance (per sibling rank), at most what the parent's
-earlier-placed children left: beside a confident copy a head's different guess is worth only
-the copy's miss rate. A part with a long confident match takes the budget, the other shrinks
-to what its own acceptance still pays for, and the tree is only as large as its rows pay for.
-Verification is unchanged (runtime/verify.py): both parts are deterministic and the sizes
-depend only on verified steps, so greedy output equals plain greedy decoding and seeded
-sampling equals `ar`'s.
+`row_cost` and the budget lasts. Each part's acceptance per sibling rank is measured in this
+request on its own full proposal (the committed tokens walked down it), so a part's child is worth
+its merged parent's worth times that acceptance, at most what the parent's earlier-placed children
+left: beside a confident copy a head's different guess is worth only the copy's miss rate. A part
+with a long confident match takes the budget, the other shrinks to what its own acceptance still
+pays for, and the tree is only as large as its rows pay for. Verification is unchanged
+(runtime/verify.py): both parts are deterministic, so greedy output equals plain greedy decoding
+and seeded sampling equals `ar`'s.
 
 A part's config is the export's config of that method, widened to the budget where it
 has a size (EAGLE-2's total_tokens, suffix's max_nodes, prompt lookup's k); a static tree
@@ -52,9 +52,9 @@ import numpy as np
 from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
 from .base import DecodeState, Drafter, Proposal
-from .draft_length import DraftLength
+from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupConfig
-from .tree_budget import PartProposal, merge, walked
+from .tree_budget import PartProposal, RankAcceptance, merge, walked
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
 _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}
@@ -165,6 +165,9 @@ def build(export, config: FusedConfig) -> FusedDrafter:
 
     configs = part_configs(export, config)
     drafters = [method_spec(p).build(export, c) for p, c in configs.items()]
+    for drafter in drafters:
+        if isinstance(drafter, LookaheadDrafter):  # the host part copies: its trie holds only the pool's n-grams
+            drafter.suffix_match = False
     window = window_rows(configs[config.parts[0]])
     if window >= config.nodes:
         raise SpecDeployError(f"method {config.method!r}: {config.method}.nodes ({config.nodes}) leaves no "
@@ -211,28 +214,50 @@ class FusedDrafter(Drafter):
         for part in self.parts:
             part.start(state)
         self.acceptance = [float(self.config.prior)] * len(self.parts)  # accepted drafts per step
-        # each part's per-draft acceptance (DraftLength's censored geometric, its prior 0.5)
-        self.rates = [DraftLength(self.config.nodes, self.config.row_cost) for _ in self.parts]
+        # each part's acceptance per sibling rank, on its own proposals (drafters/tree_budget.py)
+        self.rates = [RankAcceptance() for _ in self.parts]
+        # per step the model part drafts (running), alone [0] or beside a host proposal [1]: the accepted
+        # drafts it adds past the host's placed nodes, and the verify rows it adds (its nodes, lookahead's window)
+        self.added = [float(self.config.prior)] * 2
+        self.model_rows = [float(self.window)] * 2
+        self.missed = [1.0, 0.5]  # the host's miss rate (1 - its first draft's acceptance) in those steps
+        self.host_rows = 0.0  # the host part's placed nodes per step (running)
         self.last: list[PartProposal] = []  # this step's parts and their placement (tests read it)
-        # running seconds: the model part's drafting, and a step without it (host drafting, verify, update)
+        # running seconds: the model part's drafting, and a step's verify call, updates and host drafting
         self.model_s: float | None = None
         self.step_s: float | None = None
+        self.step_rows = 1.0  # verify rows of the steps step_s timed (running)
         self._host_s, self._proposed_at = 0.0, 0.0
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.config.decay * old + (1 - self.config.decay) * new
 
-    def model_worth_it(self) -> bool:
+    def model_worth_it(self, hosted: bool = True) -> bool:
         """Whether the model part's drafts are expected to buy more tokens per second than they cost,
-        beside a host proposal (what they add where the host part's first draft misses)."""
-        host, model = self.acceptance[1], self.acceptance[0]
-        gain = model * (1 - self.rates[1].rate)
-        if gain < self.config.row_cost:
+        beside a host proposal (`hosted`) or alone: (1 + host + added) / (1 + host rows' cost + model's
+        cost) against (1 + host) / (1 + host rows' cost), in plain decode steps, where added and the
+        model's rows are measured in steps it drafted (what it adds past the host's placed nodes, not
+        what it accepts: a head agreeing with the copy adds nothing), and its cost is those rows at
+        row_cost plus its drafting time over a plain step's (the steps timed, by the same rows cost)."""
+        host = self.acceptance[1] if hosted else 0.0
+        added, c = self.expected_added(hosted), self.config.row_cost
+        if added < c:
             return False  # not even worth one verify row
         if self.model_s is None or self.step_s is None:
             return True  # not measured yet: draft, and measure
-        cost = self.model_s + self.window * self.config.row_cost * self.step_s
-        return (1 + host + gain) * self.step_s > (1 + host) * (self.step_s + cost)
+        plain_s = self.step_s / (1 + c * (self.step_rows - 1))
+        host_cost = c * self.host_rows if hosted else 0.0
+        model_cost = c * self.model_rows[hosted] + self.model_s / plain_s
+        return added * (1 + host_cost) > (1 + host) * model_cost
+
+    def host_misses(self, hosted: bool) -> float:
+        return 1 - self.rates[1].at(0) if hosted else 1.0
+
+    def expected_added(self, hosted: bool) -> float:
+        """The accepted drafts the model part would add this step: as measured where it drafted, scaled
+        by how often the host's first draft misses now against then (a host whose copies stop being
+        taken brings it back; a step it sits out tells nothing new of it)."""
+        return self.added[hosted] * self.host_misses(hosted) / max(self.missed[hosted], 1e-3)
 
     def propose(self, state: DecodeState) -> Proposal:
         # The host part (second: suffix, prompt lookup) first: it costs next to nothing.
@@ -241,7 +266,7 @@ class FusedDrafter(Drafter):
         host_proposal = host.propose(state)
         t1 = time.perf_counter()
         self._host_s = t1 - t0
-        if self.config.lazy and host_proposal.tree.size > 1 and not self.model_worth_it():
+        if self.config.lazy and not self.model_worth_it(hosted=host_proposal.tree.size > 1):
             model_proposal = Proposal.root_only(root)
         else:
             model_proposal = model.propose(state)
@@ -250,7 +275,7 @@ class FusedDrafter(Drafter):
         self.last = placed
         # the model part's window rows (lookahead) come out of the budget in a step it drafts
         budget = self.config.nodes - (0 if model_proposal.aux_tokens is None else len(model_proposal.aux_tokens))
-        merged = merge(placed, [r.rate for r in self.rates], budget, self.config.row_cost, root)
+        merged = merge(placed, self.rates, budget, self.config.row_cost, root)
         proposal = with_aux(merged.proposal(), model_proposal)
         self._proposed_at = time.perf_counter()
         return proposal
@@ -260,14 +285,27 @@ class FusedDrafter(Drafter):
         # hidden state) and the committed tokens are what they would read of their own.
         for part in self.parts:
             part.update(state, proposal, verdict, target_out)
-        if self.last:  # a step this drafter proposed (not a plain one): verify + updates + host drafting
-            self.step_s = self._average(self.step_s, time.perf_counter() - self._proposed_at + self._host_s)
+        if not self.last:  # a plain step (adaptive), not this drafter's
+            return
+        self.step_s = self._average(self.step_s, time.perf_counter() - self._proposed_at + self._host_s)
+        self.step_rows = self._average(self.step_rows, proposal.size)
         committed = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus
         keep = self.config.decay
         for i, placed in enumerate(self.last):
             tree = placed.proposal.tree
             if tree.size > 1:  # a part that proposed nothing is not measured this step
-                got, rejected = walked(tree, placed.proposal.tokens, committed)
+                got, _ = walked(tree, placed.proposal.tokens, committed)
                 self.acceptance[i] = keep * self.acceptance[i] + (1 - keep) * got
-                self.rates[i].observe(got + rejected, got)
+                self.rates[i].observe(tree, placed.proposal.tokens, committed)
+        model, host = self.last
+        hosted = host.proposal.tree.size > 1
+        hosts = set(host.merged.values())
+        if hosted:
+            self.host_rows = keep * self.host_rows + (1 - keep) * (len(hosts) - 1)
+        if model.proposal.tree.size > 1 or model.proposal.aux_tokens is not None:
+            # past the host's placed nodes: the accepted path's nodes after its host-placed prefix
+            prefix = next((j for j, node in enumerate(verdict.path) if node not in hosts), len(verdict.path))
+            self.added[hosted] = keep * self.added[hosted] + (1 - keep) * (len(verdict.path) - prefix)
+            self.model_rows[hosted] = keep * self.model_rows[hosted] + (1 - keep) * (proposal.size - len(hosts))
+            self.missed[hosted] = keep * self.missed[hosted] + (1 - keep) * self.host_misses(hosted)
         self.last = []

@@ -34,9 +34,8 @@ from ..config import positive_int
 from ..errors import SpecDeployError
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
-from .draft_length import DraftLength
 from .suffix_tree import SuffixCache, SuffixTree
-from .tree_budget import PartProposal, merge, walked
+from .tree_budget import PartProposal, RankAcceptance, merge
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ class SuffixDrafter(Drafter):
         self.config, self.cache = config, cache
 
     def start(self, state: DecodeState) -> None:
-        self.rate = DraftLength(self.config.max_nodes, self.config.row_cost)  # per-draft acceptance
+        self.rate = RankAcceptance()  # measured on its whole trees (drafters/tree_budget.py)
         self.proposed: Proposal | None = None  # this step's whole tree, before the rows' cost trimmed it
         self.local = SuffixTree(self.config.depth)
         self.local.extend(0, state.tokens)
@@ -117,13 +116,12 @@ class SuffixDrafter(Drafter):
                                  np.array((context[-1],) + best.tokens, dtype=np.int64))
         if not c.row_cost:
             return self.proposed
-        return merge([PartProposal(self.proposed)], [self.rate.rate], c.max_nodes, c.row_cost, context[-1]).proposal()
+        return merge([PartProposal(self.proposed)], [self.rate], c.max_nodes, c.row_cost, context[-1]).proposal()
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
         new = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus token
         if self.proposed is not None:  # acceptance on the whole tree (what a larger share would have had)
-            got, rejected = walked(self.proposed.tree, self.proposed.tokens, new)
-            self.rate.observe(got + rejected, got)
+            self.rate.observe(self.proposed.tree, self.proposed.tokens, new)
         if self.cache is not None and self.seq is not None:
             self.cache.extend(self.seq, new)
         else:

@@ -1,13 +1,14 @@
 """Which draft nodes are worth their verify rows: one rule for one drafter's tree or several merged.
 
-A node is worth the chance that the target's path runs through it. With a drafter's measured
-per-draft acceptance `a` (drafters/draft_length.py's censored geometric, over `walked`), a child
-of rank r among its siblings (listed likeliest first) is worth its parent's worth times
-a^(1 + r), and at most what the parent's earlier-placed children left of it: the paths are
-exclusive, so beside a confident sibling (another drafter's copy) a guess is worth only the
-sibling's miss rate. Nodes go in best first while worth at least `row_cost` (a verify row's
-cost in decode steps) and the budget lasts; a candidate two drafters propose is one node. For
-a chain this keeps drafts j with a^j >= row_cost, prompt lookup's DraftLength rule.
+A node is worth the chance that the target's path runs through it: its parent's worth times its
+drafter's measured chance that a child of its rank (its place among its siblings, likeliest first)
+is the target's next token where the parent is (`RankAcceptance`, measured in this request on the
+drafter's own proposals, as drafters/draft_length.py measures a chain's per-draft acceptance), and
+at most what the parent's earlier-placed children left of it: the paths are exclusive, so beside a
+confident sibling (another drafter's copy) a guess is worth only the sibling's miss rate. Nodes go
+in best first while worth at least `row_cost` (a verify row's cost in decode steps) and the budget
+lasts; a candidate two drafters propose is one node. For a chain this keeps drafts j with
+a^j >= row_cost, prompt lookup's DraftLength rule.
 """
 
 from __future__ import annotations
@@ -19,6 +20,42 @@ import numpy as np
 
 from ..tree import Tree
 from .base import Proposal
+from .draft_length import DECAY, PRIOR_RATE, PRIOR_WEIGHT
+
+RANKS = 4  # siblings of rank 3 and later share one estimate
+
+
+class RankAcceptance:
+    """A drafter's chance that its child of rank r is on the target's path where the parent is.
+
+    Counted on every node of its proposal the committed tokens walked through that has children: each
+    child's rank was offered once, the one the target took (if any) hit; decayed per step as a chain's
+    DraftLength is. Before any step (the prior): PRIOR_RATE^(1 + r), a chain's geometric guess for a
+    sibling list whose first is likeliest; measured, a bushy tree's later ranks are worth what they
+    are taken, not what the first one is."""
+
+    def __init__(self):
+        self.hits = [PRIOR_RATE ** (1 + r) * PRIOR_WEIGHT for r in range(RANKS)]
+        self.offered = [PRIOR_WEIGHT] * RANKS
+
+    def at(self, rank: int) -> float:
+        r = min(rank, RANKS - 1)
+        return self.hits[r] / self.offered[r]
+
+    def observe(self, tree: Tree, tokens: np.ndarray, committed: Sequence[int]) -> None:
+        """One verified step of a proposal (`tree`, `tokens`) and the tokens committed after its root."""
+        self.hits = [DECAY * h for h in self.hits]
+        self.offered = [DECAY * o for o in self.offered]
+        node = 0
+        for tok in committed:
+            kids = tree.children[node]
+            for r in range(len(kids)):
+                self.offered[min(r, RANKS - 1)] += 1.0
+            rank = next((r for r, c in enumerate(kids) if tokens[c] == tok), -1)
+            if rank < 0:
+                break
+            self.hits[min(rank, RANKS - 1)] += 1.0
+            node = kids[rank]
 
 
 class MergedTree:
@@ -59,11 +96,12 @@ class PartProposal:
         self.merged: dict[int, int] = {0: 0}
 
 
-def merge(parts: list[PartProposal], rates: list[float], budget: int, row_cost: float, root: int) -> MergedTree:
+def merge(parts: list[PartProposal], rates: list[RankAcceptance], budget: int, row_cost: float,
+          root: int) -> MergedTree:
     """The parts' nodes worth a verify row, best first, in one trie of at most `budget` candidates.
 
     A node's worth is the chance the target's path runs through it: its merged parent's worth times
-    its part's per-draft acceptance to the power 1 + its rank among its siblings, at most what the
+    its part's measured acceptance at its rank among its siblings, at most what the
     parent's earlier-placed children left (the paths are exclusive). A node both parts propose is one
     node (its worth the larger). Every node comes after its parent (a child is worth no more)."""
     merged = MergedTree(root, budget)
@@ -73,7 +111,7 @@ def merge(parts: list[PartProposal], rates: list[float], budget: int, row_cost: 
     def offer(i: int, node: int) -> None:
         tree, at = parts[i].proposal.tree, parts[i].merged[node]
         for rank, child in enumerate(tree.children[node]):
-            heapq.heappush(heap, (-worth[at] * rates[i] ** (1 + rank), i, child, at))
+            heapq.heappush(heap, (-worth[at] * rates[i].at(rank), i, child, at))
 
     for i in range(len(parts)):
         offer(i, 0)

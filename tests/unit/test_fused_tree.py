@@ -11,7 +11,7 @@ import pytest
 from specdeploy.runtime.drafters.base import DecodeState, Drafter, Proposal
 from specdeploy.runtime.drafters.fused import EagleSuffixConfig, FusedDrafter, LookaheadSuffixConfig
 from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
-from specdeploy.runtime.drafters.tree_budget import MergedTree, PartProposal, merge, walked
+from specdeploy.runtime.drafters.tree_budget import MergedTree, PartProposal, RankAcceptance, merge, walked
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.methods import method_spec
 from specdeploy.runtime.sampling import SamplingParams
@@ -76,10 +76,17 @@ def test_a_part_with_nothing_to_propose_leaves_the_whole_budget_to_the_other():
     assert paths(p) == {(5,), (5, 6), (5, 6, 7), (5, 6, 7, 8)}
 
 
+def geometric(a: float) -> RankAcceptance:
+    """A part measured to take its rank-r child with chance a^(1 + r) (the prior's shape at a = 0.5)."""
+    rates = RankAcceptance()
+    rates.hits = [a ** (1 + r) * o for r, o in enumerate(rates.offered)]
+    return rates
+
+
 def _merge(trees, rates, budget, row_cost=0.0):
-    """merge() over Fixed proposals: the merged tree's paths."""
+    """merge() over Fixed proposals (each part's rank-r child worth a^(1 + r)): the merged tree's paths."""
     parts = [PartProposal(Fixed(parents, tokens).propose(state())) for parents, tokens in trees]
-    return paths(merge(parts, rates, budget, row_cost, root=3).proposal())
+    return paths(merge(parts, [geometric(a) for a in rates], budget, row_cost, root=3).proposal())
 
 
 def test_merge_takes_the_best_nodes_first_and_parents_before_children():
@@ -191,14 +198,16 @@ def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_
     # a step lookahead sits out runs no window: the budget goes to the host part
     lazy = FusedDrafter(LookaheadSuffixConfig(nodes=14), [la, host], window=8)
     lazy.start(s)
-    lazy.acceptance, lazy.step_s, lazy.model_s = [0.1, 3.0], 1.0, 0.0  # the window's 0.4 of a step buys 0.05
+    lazy.acceptance, lazy.step_s, lazy.model_s = [0.1, 3.0], 1.0, 0.0
+    lazy.added = [0.1, 0.1]  # the window's 0.4 of a step buys 0.1
     q = lazy.propose(s)
     assert q.aux_tokens is None and q.tree.size - 1 == 4  # the copy's drafts worth a row at the prior (.5^4)
     # the window's rows count as the model part's cost: 8 rows at 5% of a step each
-    lazy.acceptance, lazy.step_s, lazy.model_s = [2.0, 1.0], 1.0, 0.0
-    assert lazy.model_worth_it()  # 2 x the copy's miss rate (prior 0.5) added to 1: 3 per 1.4 steps beat 2 per 1
-    lazy.acceptance = [1.2, 1.0]
-    assert not lazy.model_worth_it()  # 2.6 per 1.4 do not
+    lazy.acceptance, lazy.added = [2.0, 1.0], [1.0, 1.0]
+    assert lazy.model_worth_it()  # 1 added to the copy's 1: 3 per 1.4 steps beat 2 per 1
+    lazy.added = [0.7, 0.7]
+    assert not lazy.model_worth_it()  # 2.7 per 1.4 do not
+    assert lazy.model_worth_it(hosted=False)  # alone, 1.7 per 1.4 beat a plain step's 1 per 1
 
 
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
@@ -235,3 +244,42 @@ def test_suffix_verifies_only_the_drafts_worth_their_rows_by_the_same_rule():
     assert p.tree.size - 1 > 4
     with pytest.raises(SpecDeployError, match=r"config: suffix\.row_cost"):
         SuffixConfig(row_cost=1.0)
+
+
+def test_rank_acceptance_measures_each_sibling_rank_where_the_walk_passed():
+    rates = RankAcceptance()
+    assert [round(rates.at(r), 4) for r in range(3)] == [0.5, 0.25, 0.125]  # the prior: a chain's 0.5, geometric
+    tree, tokens = Tree((-1, 0, 0, 0, 1)), np.array([0, 10, 11, 12, 13])  # 10, 11, 12 under the root; 13 under 10
+    for _ in range(10):  # the target takes the second guess, then leaves the tree
+        rates.observe(tree, tokens, [11, 5])
+    assert rates.at(1) > 0.9 and rates.at(0) < 0.1 and rates.at(2) < 0.1
+    chain = RankAcceptance()
+    chain.observe(Tree.chain(3), np.array([0, 1, 2, 3]), [1, 2, 9])  # 2 of 3 drafts: DraftLength's count
+    assert chain.at(0) == pytest.approx((0.9 * 1.0 + 2) / (0.9 * 2.0 + 3))
+
+
+def test_lazy_a_model_part_that_only_agrees_with_the_copy_adds_nothing_and_sits_out():
+    class Counting(Fixed):
+        asked = 0
+
+        def propose(self, state):
+            self.asked += 1
+            return super().propose(state)
+
+    model = Counting((-1, 0, 1), [80, 81])  # the host's copy's first two tokens: always taken, never extra
+    host = Fixed((-1, 0, 1, 2), [80, 81, 82])
+    d, s = fused(model, host, nodes=6, row_cost=0.05), state()
+    for _ in range(12):
+        p = d.propose(s)
+        s.tokens.extend([int(t) for t in p.tokens[1:4]] + [99])
+        d.update(s, p, Verdict([0, 1, 2, 3], 99), None)
+    # its drafts were all taken, yet the copy had them: it added nothing where it drafted, and the copy,
+    # taken whole since, misses less than then: not worth one row, whatever the times
+    assert d.acceptance[0] > 1 > d.added[True] and d.expected_added(True) < 0.05
+    asked = model.asked
+    d.model_s = 0.0
+    d.propose(s)
+    assert model.asked == asked <= 3
+    alone = fused(Counting((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05)
+    alone.added = [0.01, 1.0]  # alone, its drafts were measured to add nothing: no host proposal forces it
+    assert alone.propose(state()).tree.size == 1
