@@ -56,7 +56,7 @@ class CostModel:
     only from calls of that size left the sizes a row's drafts add up to at their start-up
     times, so beside a loaded plain step a token looked cheaper than it was."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.calls: dict[int, float] = {}  # calls of decode rows only, by tokens, as measured
         self._run_s = 0.0  # as measured, negative noise included (clipped where used)
         self.load = 1.0  # calls' time now over the measured curve's: an average of each call's ratio
