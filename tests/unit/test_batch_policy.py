@@ -151,3 +151,16 @@ def test_drafts_copied_right_or_wrong_whole_are_weighed_whole():
     assert policy.draft_size(8, survival, most=8) == 0
     assert 0 < policy.draft_size(8, 0.8, most=8) < 8
     assert np.isclose(expected_tokens(survival, 8), 1 + np.sum(survival[:8]))
+
+
+def test_a_row_that_never_missed_drafts_deep():
+    """A few steps that accepted every draft make deep drafts likely (the one-half chance a depth
+    without samples reads as weighs little once samples come), and a fresh row reads one half."""
+    from specdeploy.runtime.batching.policy import ROW_DECAY, Acceptance
+
+    fresh, row = Acceptance(ROW_DECAY), Acceptance(ROW_DECAY)
+    assert np.allclose(fresh.survival()[:3], [0.5, 0.25, 0.125])
+    for _ in range(4):
+        row.add(14, 14)
+    assert row.survival()[13] > 0.5
+    assert SpeculationPolicy(cpu_like_costs()).draft_size(4, row.survival(), most=14) == 14
