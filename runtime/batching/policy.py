@@ -36,11 +36,11 @@ from ..drafters.base import DecodeState, Drafter, Proposal
 from ..tree import Tree
 
 EMA = 0.2  # weight of the newest timing of a call size
-PRIOR_STEPS = 4.0  # speculative steps the method's rate counts for in a row's estimate
+PRIOR_STEPS = 2.0  # speculative steps the method's acceptance counts for in a row's estimate
 UNSEEN_WEIGHT = 0.25  # steps a one-half chance of surviving each depth counts for (Acceptance.survival)
 # Acceptance is weighed toward recent steps (a copy starts or stops matching mid-answer): each new
 # speculative step keeps this share of a row's history, and of the method's over all rows.
-ROW_DECAY, METHOD_DECAY = 0.8, 0.95
+ROW_DECAY, METHOD_DECAY = 0.9, 0.95
 # A row the policy keeps plain still probes with one draft once its plain steps' worth (at the
 # batch's rate per token) is 1 / EXPLORE times the probe's cost: without it, a rate that fell low
 # never sees another sample and the row (and, through the prior, every row of its method) stays

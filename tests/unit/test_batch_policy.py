@@ -128,7 +128,7 @@ def test_recent_steps_weigh_most_in_a_rows_acceptance():
     for acceptance in rows:
         for _ in range(30):
             acceptance.add(0, 6)
-        for _ in range(4):
+        for _ in range(8):
             acceptance.add(6, 6)
     assert rows[0].survival()[0] > 0.5 > rows[1].survival()[0]
 
