@@ -52,6 +52,7 @@ import numpy as np
 from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
 from .base import DecodeState, Drafter, Proposal
+from .draft_length import DECAY
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupConfig
 from .tree_budget import PartProposal, RankAcceptance, merge, walked
@@ -176,7 +177,7 @@ def build(export, config: FusedConfig) -> FusedDrafter:
         if not drafter.deterministic:
             raise SpecDeployError(f"method {config.method!r}: part {part!r} samples its drafts; only "
                                   "deterministic drafters can share a tree")
-    return FusedDrafter(config, drafters, window)
+    return FusedDrafter(config, drafters, window, export.part(f"fused-learned:{config!r}", Learned))
 
 
 def window_rows(config) -> int:
@@ -198,12 +199,25 @@ def with_aux(merged: Proposal, part: Proposal) -> Proposal:
     return Proposal(merged.tree, merged.tokens, None, part.aux_tokens, part.aux_positions, mask)
 
 
+class Learned:
+    """What a fused method measured of its model part's drafts by the latest step on this export (per
+    loaded export, as the adaptive policy's timings): a request starts from it, its added drafts moved
+    one step back toward the prior, and with its times unmeasured (so it drafts once, and measures),
+    not from the prior, which takes several steps to be measured down where the part does not pay."""
+
+    def __init__(self):
+        self.added: list[float] | None = None
+        self.model_rows: list[float] = []
+        self.missed: list[float] = []
+
+
 class FusedDrafter(Drafter):
     deterministic = True
 
-    def __init__(self, config: FusedConfig, parts: list[Drafter], window: int = 0):
+    def __init__(self, config: FusedConfig, parts: list[Drafter], window: int = 0, learned: Learned | None = None):
         self.config, self.parts = config, parts
         self.window = window  # the model part's auxiliary rows per step it drafts (lookahead's window)
+        self.learned = learned or Learned()
         self.name = config.method
 
     def prefilled(self, target_out) -> None:
@@ -218,16 +232,22 @@ class FusedDrafter(Drafter):
         self.rates = [RankAcceptance() for _ in self.parts]
         # per step the model part drafts (running), alone [0] or beside a host proposal [1]: the accepted
         # drafts it adds past the host's placed nodes, and the verify rows it adds (its nodes, lookahead's window)
-        self.added = [float(self.config.prior)] * 2
+        prior, keep, learned = float(self.config.prior), DECAY, self.learned
+        self.added = [prior] * 2
         self.model_rows = [float(self.window)] * 2
         self.missed = [1.0, 0.5]  # the host's miss rate (1 - its first draft's acceptance) in those steps
         self.host_rows = 0.0  # the host part's placed nodes per step (running)
         self.last: list[PartProposal] = []  # this step's parts and their placement (tests read it)
-        # running seconds: the model part's drafting, and a step's verify call, updates and host drafting
-        self.model_s: float | None = None
-        self.step_s: float | None = None
-        self.step_rows = 1.0  # verify rows of the steps step_s timed (running)
-        self._host_s, self._proposed_at = 0.0, 0.0
+        # running seconds: the model part's drafting in a step after one it drafted (a skipped EAGLE head's
+        # catch-up is the price of having skipped), and a step's verify call, updates and host drafting;
+        # step_rows: the verify rows of the steps step_s timed
+        self.model_s: float | None
+        self.step_s: float | None
+        self.model_s, self.step_s, self.step_rows = None, None, 1.0
+        if learned.added is not None:
+            self.added = [keep * a + (1 - keep) * prior for a in learned.added]
+            self.model_rows, self.missed = list(learned.model_rows), list(learned.missed)
+        self._host_s, self._proposed_at, self._drafted = 0.0, 0.0, False
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.config.decay * old + (1 - self.config.decay) * new
@@ -270,7 +290,9 @@ class FusedDrafter(Drafter):
             model_proposal = Proposal.root_only(root)
         else:
             model_proposal = model.propose(state)
-            self.model_s = self._average(self.model_s, time.perf_counter() - t1)
+            if self._drafted or self.model_s is None:
+                self.model_s = self._average(self.model_s, time.perf_counter() - t1)
+        self._drafted = model_proposal.tree.size > 1
         placed = [PartProposal(model_proposal), PartProposal(host_proposal)]
         self.last = placed
         # the model part's window rows (lookahead) come out of the budget in a step it drafts
@@ -305,7 +327,12 @@ class FusedDrafter(Drafter):
         if model.proposal.tree.size > 1 or model.proposal.aux_tokens is not None:
             # past the host's placed nodes: the accepted path's nodes after its host-placed prefix
             prefix = next((j for j, node in enumerate(verdict.path) if node not in hosts), len(verdict.path))
+            # over about its last ten drafted steps (a part's acceptance's decay): what a head adds comes in
+            # runs, and a few steps that add nothing must not leave it out of a request where it pays
+            keep = DECAY
             self.added[hosted] = keep * self.added[hosted] + (1 - keep) * (len(verdict.path) - prefix)
             self.model_rows[hosted] = keep * self.model_rows[hosted] + (1 - keep) * (proposal.size - len(hosts))
             self.missed[hosted] = keep * self.missed[hosted] + (1 - keep) * self.host_misses(hosted)
+        learned = self.learned
+        learned.added, learned.model_rows, learned.missed = list(self.added), list(self.model_rows), list(self.missed)
         self.last = []

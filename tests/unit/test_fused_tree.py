@@ -283,3 +283,19 @@ def test_lazy_a_model_part_that_only_agrees_with_the_copy_adds_nothing_and_sits_
     alone = fused(Counting((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05)
     alone.added = [0.01, 1.0]  # alone, its drafts were measured to add nothing: no host proposal forces it
     assert alone.propose(state()).tree.size == 1
+
+
+def test_a_request_starts_from_what_the_last_one_measured_one_step_back_toward_the_prior():
+    model, host = Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0, 1, 2), [80, 81, 82])
+    d, s = fused(model, host, nodes=6, row_cost=0.05), state()
+    for _ in range(8):  # the target takes the copy: the heads add nothing
+        p = d.propose(s)
+        path = [0] + [i for i in range(1, p.tree.size) if 80 <= p.tokens[i]]
+        s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
+        d.update(s, p, Verdict(path, 99), None)
+    measured, missed = d.added[True], d.missed[True]
+    assert measured < 1.0
+    d.start(state())  # the next request on the same export (build shares its Learned per method config)
+    assert d.added == pytest.approx([1.0, 0.9 * measured + 0.1 * 1.0]) and d.missed[True] == missed
+    assert d.model_s is None  # its times this request's own: it drafts once, and measures
+    assert fused(model, host).added == [1.0, 1.0]  # a drafter of its own starts from the prior
