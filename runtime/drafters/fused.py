@@ -205,7 +205,7 @@ class Learned:
     one step back toward the prior, and with its times unmeasured (so it drafts once, and measures),
     not from the prior, which takes several steps to be measured down where the part does not pay."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.added: list[float] | None = None
         self.model_rows: list[float] = []
         self.missed: list[float] = []
