@@ -104,8 +104,10 @@ def graph_vs_ortgenai(export_dir: Path, peers_dir: Path, threads: int, past: int
                 buf = value(np.zeros((1, spec.num_kv_heads, manifest.max_context, spec.head_dim), np.float32))
                 binding.bind_ortvalue_input(kv_name(layer, kind, "in"), buf)
                 binding.bind_ortvalue_output(kv_name(layer, kind, "out"), buf)
+        known = {i.name for i in session.get_inputs()}
         for name, array in inputs.items():
-            binding.bind_ortvalue_input(name, value(array))
+            if name in known:  # logit_rows: graphs exported before it lack it
+                binding.bind_ortvalue_input(name, value(array))
         for name, array in outputs.items():
             binding.bind_ortvalue_output(name, value(array))
         return session, binding
@@ -115,7 +117,7 @@ def graph_vs_ortgenai(export_dir: Path, peers_dir: Path, threads: int, past: int
         "specdeploy (fused)": bound(
             manifest.graph_path(ours), lambda i, k, d: f"{'past' if d == 'in' else 'present'}_{k}.{i}",
             {"input_ids": np.zeros((1, 1), np.int64), "position_ids": np.array([[past]]),
-             "tree_mask": np.ones((1, 1, 1), bool), "past_length": np.array([past])},
+             "tree_mask": np.ones((1, 1, 1), bool), "past_length": np.array([past]), "logit_rows": np.array([1])},
             {"logits": logits(), "hidden": np.zeros((1, 1, spec.hidden_size), np.float32)}),
         "onnxruntime-genai": bound(
             genai_dir / "model.onnx", lambda i, k, d: f"past_key_values.{i}.{k}" if d == "in" else f"present.{i}.{k}",
@@ -176,6 +178,8 @@ def op_split(export_dir: Path, threads: int, past: int = 200, runs: int = 40) ->
         bind("position_ids", np.arange(past, past + tokens)[None])
         bind("tree_mask", np.tril(np.ones((tokens, tokens), bool))[None])
         bind("past_length", np.array([past]))
+        if any(i.name == "logit_rows" for i in session.get_inputs()):
+            bind("logit_rows", np.array([tokens]))
         bind("logits", np.zeros((1, tokens, spec.vocab_size), np.float32), output=True)
         bind("hidden", np.zeros((1, tokens, spec.hidden_size), np.float32), output=True)
         for _ in range(5):

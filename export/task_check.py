@@ -99,7 +99,7 @@ def _run(decoder, window: np.ndarray, chunk: int) -> list:
     """Every row's StepOutput for one window, from an empty cache."""
     decoder.reset()
     steps = []
-    decoder.prefill(window, chunk, on_chunk=steps.append)
+    decoder.prefill(window, chunk, on_chunk=steps.append, all_logits=True)
     return steps
 
 

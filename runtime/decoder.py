@@ -136,7 +136,7 @@ class StaticDecoder:
 
 @dataclass
 class StepOutput:
-    logits: np.ndarray  # [n, vocab] float32, real (unpadded) tokens only
+    logits: np.ndarray  # [n, vocab] float32, real (unpadded) tokens only ([1, vocab]: a last_logits call)
     hidden: np.ndarray  # [n, hidden] float32
     # per layer key, value: [1, T, kv_heads, head_dim]; empty when the cache was written in place
     presents: list[np.ndarray]
@@ -158,25 +158,33 @@ class Decoder(StaticDecoder):
     def fused(self) -> bool:
         return self.flavor != PORTABLE
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> StepOutput:
-        """Score n new tokens after the cached past; `mask` is [n, n] (row sees column)."""
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                last_logits: bool = False) -> StepOutput:
+        """Score n new tokens after the cached past; `mask` is [n, n] (row sees column).
+        `last_logits`: only the last row's logits are needed (a prefill chunk); a backend that
+        can skip the others returns logits [1, vocab] (hidden and features stay per row)."""
         t = self.graph_for(len(tokens))
         self._check_room(t)
         feeds = self.inputs[t].fill(tokens, positions, mask, self.cache.length)
-        return self._timed(self._run, t, feeds, len(tokens))
+        return self._timed(self._run_last_logits if last_logits else self._run, t, feeds, len(tokens))
 
     def _run(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
         raise NotImplementedError
 
+    def _run_last_logits(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
+        return self._run(t, feeds, n)  # every row's logits, of which callers read the last
+
     def commit(self, step: StepOutput, rows) -> None:
         raise NotImplementedError
 
-    def prefill(self, tokens: list[int] | np.ndarray, chunk: int, on_chunk=None) -> StepOutput | None:
+    def prefill(self, tokens: list[int] | np.ndarray, chunk: int, on_chunk=None,
+                all_logits: bool = False) -> StepOutput | None:
         """Process and commit tokens causally, at most `chunk` per call (the prefill graph's size).
 
         Each call takes the smallest graph holding its rows; near the context end, where that
         graph would pad past it, a smaller graph over fewer rows (`fit`). `on_chunk(step)`
-        sees every call's output (EAGLE reads the prompt's features).
+        sees every call's output (EAGLE reads the prompt's features). A step's logits may be
+        its last row's only (`forward(last_logits=True)`) unless `all_logits` (scoring a text).
         """
         tokens = np.asarray(tokens, dtype=np.int64)
         last, s = None, 0
@@ -187,7 +195,8 @@ class Decoder(StaticDecoder):
             assert call is not None
             n = call[0]
             start = self.cache.length
-            last = self.forward(tokens[s : s + n], np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)))
+            last = self.forward(tokens[s : s + n], np.arange(start, start + n), np.tril(np.ones((n, n), dtype=bool)),
+                                last_logits=not all_logits)
             self.commit(last, slice(0, n))
             s += n
             if on_chunk is not None:

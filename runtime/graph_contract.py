@@ -38,6 +38,10 @@ INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 TREE_MASK = "tree_mask"
 PAST_LENGTH = "past_length"  # fused graphs only: rows of the KV buffer already filled
+# fused decoder graphs (batch-1) only: logits are computed for the last `logit_rows` rows (output
+# [1, logit_rows, vocab]); a prefill asks for one row, a verify for all T. Graphs exported before it
+# lack the input and return every row.
+LOGIT_ROWS = "logit_rows"
 FEATURES = "features"
 LOGITS = "logits"
 HIDDEN = "hidden"
@@ -118,7 +122,8 @@ class GraphIO:
 
 def decoder_io(num_layers: int, features: bool = False, flavor: str = PORTABLE) -> GraphIO:
     """kind decoder: `features` when the target also outputs layer features (EAGLE-3)."""
-    inputs = [INPUT_IDS, POSITION_IDS, TREE_MASK] + ([PAST_LENGTH] if flavor != PORTABLE else [])
+    inputs = [INPUT_IDS, POSITION_IDS, TREE_MASK] + ([PAST_LENGTH] if flavor != PORTABLE else []) + \
+        ([LOGIT_ROWS] if flavor == FUSED else [])
     outputs = [LOGITS, HIDDEN] + ([FEATURES] if features else [])
     return GraphIO(tuple(inputs + past_names(num_layers)), tuple(outputs + present_names(num_layers)))
 

@@ -86,3 +86,30 @@ def test_flavor_choice_is_validated(micro_export, tmp_path):
     with pytest.raises(SpecDeployError, match="fused graphs need"):
         LoadedExport(bare, flavor="fused").decoder("target")
     assert not LoadedExport(bare).decoder("target").fused
+
+
+def test_a_prefill_chunk_scores_only_its_last_row(micro_export):
+    """The fused graph's logit_rows input: a prefill call returns the last row's logits (the
+    same values as the full call's last row), every row's hidden state, and the same KV."""
+    import numpy as np
+
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    export = LoadedExport(micro_export)
+    target = export.decoder("target")
+    assert target.fused
+    ids = np.arange(5, 5 + 11)
+    mask = np.tril(np.ones((11, 11), bool))
+    target.reset()
+    full = target.forward(ids, np.arange(11), mask)
+    kv_full = {k: v[:, :, :11].copy() for k, v in target.cache.buffers().items()}
+    target.reset()
+    last = target.forward(ids, np.arange(11), mask, last_logits=True)
+    assert full.logits.shape[0] == 11 and last.logits.shape[0] == 1
+    # one row through the LM head may take another kernel than eleven: equal up to rounding
+    np.testing.assert_allclose(last.logits[0], full.logits[-1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(last.hidden, full.hidden)
+    for name, buf in target.cache.buffers().items():
+        np.testing.assert_array_equal(buf[:, :, :11], kv_full[name])
+    target.reset()
+    assert target.prefill(ids, chunk=4).logits.shape[0] == 1  # chunks of 4, 4, 3: the last row's logits

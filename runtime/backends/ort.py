@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecDeployError
-from ..graph_contract import TOKENS_DIM, parse_kv_name, present_of
+from ..graph_contract import LOGIT_ROWS, TOKENS_DIM, parse_kv_name, present_of
 from .sessions import shared_session
 
 ORT_PROVIDERS = {
@@ -121,12 +121,17 @@ class InPlaceGraph:
     `output_rows` (optional, shared by the bindings of one caller, whose calls never overlap):
     per output name a [1, rows, ...] array at least `tokens` rows long; this binding writes its
     first `tokens` rows, so bindings at many T hold one set of output buffers.
+    `logit_rows` (a decoder graph with that input: graph_contract.LOGIT_ROWS): how many of the
+    last rows get logits (default: all `tokens`). `shared_inputs`: input arrays to bind instead
+    of new ones (another binding's at the same T, so one fill serves both).
     """
 
     def __init__(self, path: Path, threads: int | None, kv_buffers: dict[str, np.ndarray],
-                 tokens: int | None = None, output_rows: dict[str, np.ndarray] | None = None):
+                 tokens: int | None = None, output_rows: dict[str, np.ndarray] | None = None,
+                 logit_rows: int | None = None, shared_inputs: dict[str, np.ndarray] | None = None):
         import onnxruntime as ort
 
+        self.path = Path(path)
         self.session = open_session(path, "ort-cpu", threads)
         self.binding = self.session.io_binding()
         self.inputs: dict[str, np.ndarray] = {}
@@ -134,8 +139,10 @@ class InPlaceGraph:
         self._keep: list[Any] = []  # OrtValues must outlive the binding
         types = {"tensor(int64)": np.int64, "tensor(bool)": np.bool_, "tensor(float)": np.float32}
 
+        rows = {TOKENS_DIM: tokens, LOGIT_ROWS: tokens if logit_rows is None else logit_rows}
+
         def shape_of(arg) -> list:
-            return [tokens if d == TOKENS_DIM and tokens is not None else d for d in arg.shape]
+            return [rows[d] if isinstance(d, str) and rows.get(d) is not None else d for d in arg.shape]
 
         def bind(name: str, array: np.ndarray, output: bool) -> None:
             value = ort.OrtValue.ortvalue_from_numpy(array)  # shares the array's memory
@@ -152,7 +159,13 @@ class InPlaceGraph:
             if i.name in kv_buffers:
                 continue
             shape = shape_of(i)
-            if all(isinstance(d, int) for d in shape):
+            if i.name == LOGIT_ROWS:
+                self.inputs[i.name] = np.array([rows[LOGIT_ROWS]], np.int64)
+                bind(i.name, self.inputs[i.name], False)
+            elif shared_inputs is not None and i.name in shared_inputs:
+                self.inputs[i.name] = shared_inputs[i.name]
+                bind(i.name, self.inputs[i.name], False)
+            elif all(isinstance(d, int) for d in shape):
                 self.inputs[i.name] = np.zeros(shape, types[i.type])
                 bind(i.name, self.inputs[i.name], False)
             else:

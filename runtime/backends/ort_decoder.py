@@ -21,7 +21,17 @@ import numpy as np
 
 from ..decoder import Decoder, StaticCall, StepOutput
 from ..errors import SpecDeployError
-from ..graph_contract import FEATURES, FUSED, HIDDEN, LOGITS, PAST_LENGTH, PORTABLE, parse_kv_name, present_names
+from ..graph_contract import (
+    FEATURES,
+    FUSED,
+    HIDDEN,
+    LOGIT_ROWS,
+    LOGITS,
+    PAST_LENGTH,
+    PORTABLE,
+    parse_kv_name,
+    present_names,
+)
 from ..kv_cache import KVCache
 from ..manifest import Manifest
 from .ort import InPlaceGraph, OrtGraph, open_session
@@ -54,6 +64,8 @@ class OrtDecoder(Decoder):
         self.presents = present_names(record.num_layers)
         self.manifest, self.backend, self.threads = manifest, backend, threads
         self.graphs: dict[int, InPlaceGraph | OrtGraph] = OnFirstUse(self._open)
+        # fused graphs with a logit_rows input: a second binding per T that scores the last row only
+        self._last_row: dict[int, InPlaceGraph] = OnFirstUse(self._open_last_row)
         self._output_rows: dict[str, np.ndarray] = {}  # fused: the bindings' shared outputs
         if fused:  # a static T's inputs are its graph's bound arrays (filled in place)
             self.inputs = OnFirstUse(lambda t: StaticCall(t, self.graphs[t].inputs))
@@ -84,6 +96,12 @@ class OrtDecoder(Decoder):
             return graph
         return OrtGraph(path, self.backend, self.threads)
 
+    def _open_last_row(self, t: int) -> InPlaceGraph:
+        full = self.graphs[t]
+        assert isinstance(full, InPlaceGraph)
+        return InPlaceGraph(full.path, self.threads, self.cache.buffers(), tokens=t, output_rows=self._output_rows,
+                            logit_rows=1, shared_inputs=full.inputs)
+
     def open(self, sizes=None) -> None:
         """Open the graphs of `sizes` (default: every exported size) now rather than on first use."""
         for t in self.sizes if sizes is None else sizes:
@@ -95,10 +113,19 @@ class OrtDecoder(Decoder):
         return sorted(self.graphs)
 
     def _run(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
+        return self._call(self.graphs[t], feeds, n)
+
+    def _run_last_logits(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
         graph = self.graphs[t]
+        if n == t and isinstance(graph, InPlaceGraph) and LOGIT_ROWS in graph.inputs:
+            return self._call(self._last_row[t], feeds, n)
+        return self._call(graph, feeds, n)  # padded rows follow the last real one, or no such input
+
+    def _call(self, graph: InPlaceGraph | OrtGraph, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
         if isinstance(graph, InPlaceGraph):  # fused: KV and small inputs are bound once
             feeds[PAST_LENGTH][0] = self.cache.length
-            # The outputs are the graph's bound arrays, reused next call: copy the real rows.
+            # The outputs are the graph's bound arrays, reused next call: copy the real rows
+            # (the logits of a last-row binding are its one row).
             out = {k: v[0, :n].copy() for k, v in graph.run().items()}
             return StepOutput(out[LOGITS], out[HIDDEN], [], out.get(FEATURES))
         out = graph.run({**feeds, **self.cache.past_feeds()})

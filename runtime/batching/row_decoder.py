@@ -38,10 +38,10 @@ class RowDecoder(Decoder):
         assert work.logits is not None and work.hidden is not None
         return StepOutput(work.logits[:n], work.hidden[:n], [])
 
-    def prefill(self, tokens, chunk: int, on_chunk=None) -> StepOutput | None:
+    def prefill(self, tokens, chunk: int, on_chunk=None, all_logits: bool = False) -> StepOutput | None:
         self._prefilling = True  # the scheduler runs one prefill chunk per step
         try:
-            return super().prefill(tokens, chunk, on_chunk)
+            return super().prefill(tokens, chunk, on_chunk, all_logits)
         finally:
             self._prefilling = False
 
