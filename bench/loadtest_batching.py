@@ -14,7 +14,9 @@ and the load average before and after. `--rounds R` repeats the whole sweep (con
 in reverse order every other round). `--baseline DIR` also serves every configuration from
 another source tree (DIR holds a `specdeploy` package: e.g. `git archive` of the commit before
 a change), as `<config>@baseline`, interleaved with the others: an A/B of a change in one
-run. The export needs the batched graph (python -m specdeploy.export.batched_graph EXPORT).
+run; `--baseline-export DIR` serves the baseline from another export too (a change to the
+batched graph: the baseline tree's runtime runs the graph it was written for). The export
+needs the batched graph (python -m specdeploy.export.batched_graph EXPORT).
 
 Mixes (`--mixes`): `toy`, a few short prompts and one long one; `chat`, `grounded` and `code`,
 the bench's shipped held-out prompt sets (bench/prompts: chat questions; summarize / correct /
@@ -74,7 +76,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, export: Path, args: list[str], source: Path | None = None):
+    def __init__(self, export: Path, args: list[str], source: Path | None = None, name: str | None = None):
         """`source`: a directory holding the `specdeploy` package to serve from (None: this one)."""
         import httpx
 
@@ -83,8 +85,10 @@ class Server:
         env = dict(os.environ)
         if source is not None:
             env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+        # served under `name` (the model the clients ask for), whichever export directory it is
         self.proc = subprocess.Popen([sys.executable, "-m", "specdeploy.cli", "serve", str(export.resolve()),
-                                      "--port", str(self.port), "--log-level", "warning", *args],
+                                      "--port", str(self.port), "--log-level", "warning",
+                                      *(["--model-name", name] if name else []), *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=source)
         deadline = time.monotonic() + 300
@@ -196,9 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy", action="store_true", help="every request greedy (default: every other seeded)")
     ap.add_argument("--baseline", type=Path, help="a directory holding another `specdeploy` package: every "
                     "configuration is also served from it, as <config>@baseline")
+    ap.add_argument("--baseline-export", type=Path, help="the export the baseline configurations serve "
+                    "(default: the same one)")
     args = ap.parse_args(argv)
     if args.baseline is not None and not (args.baseline / "specdeploy" / "cli.py").is_file():
         ap.error(f"--baseline {args.baseline}: no specdeploy/cli.py there")
+    if args.baseline_export is not None and args.baseline is None:
+        ap.error("--baseline-export needs --baseline")
     queue = str(max(args.clients) * 2)
     configs = {"pool": (["--pool-size", str(args.pool_size), "--queue", queue], args.methods),
                "batch": (["--batch", str(args.batch), "--queue", queue], args.methods),
@@ -210,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, Server] = {}
     try:
         for name in names:
-            servers[name] = Server(args.export, configs[name][0], args.baseline if "@" in name else None)
+            baseline = "@" in name
+            export = args.baseline_export if baseline and args.baseline_export else args.export
+            servers[name] = Server(export, configs[name][0], args.baseline if baseline else None, args.export.name)
             methods = configs[name][1]  # warm-up: every method's graphs opened
             run_load(servers[name].url, args.export.name, 1, len(methods), methods, 4, mix_prompts("toy"))
         for round_ in range(args.rounds):

@@ -19,7 +19,16 @@ import numpy as np
 import onnx
 import torch
 
-from ..runtime.batching.graph import CONTEXT_ROWS, DECODE_TOKENS, EXTRA_ROWS, RUNS, SEGMENTS, run_kv_name
+from ..runtime.batching.graph import (
+    CONTEXT_ROWS,
+    DECODE_TOKENS,
+    EXTRA_ROWS,
+    LOGIT_TOKENS,
+    LONE_ROW,
+    RUNS,
+    SEGMENTS,
+    run_kv_name,
+)
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (
     DECODER,
@@ -67,7 +76,9 @@ def batched_reference_call(feeds: dict, ref: TorchReference, runs: int) -> tuple
     out = {INPUT_IDS: np.concatenate([feeds[INPUT_IDS][:, :j] for j in lengths], axis=1),
            POSITION_IDS: np.concatenate([feeds[POSITION_IDS][:, :j] for j in lengths], axis=1),
            TREE_MASK: mask, PAST_LENGTH: feeds[PAST_LENGTH].copy(), SEGMENTS: np.array(segments[1:], np.int64),
-           DECODE_TOKENS: np.zeros(1, np.int64), CONTEXT_ROWS: np.arange(n, dtype=np.int64)}
+           DECODE_TOKENS: np.zeros(1, np.int64), CONTEXT_ROWS: np.arange(n, dtype=np.int64),
+           LOGIT_TOKENS: np.arange(n, dtype=np.int64),  # every token's logits: the check compares them all
+           LONE_ROW: np.array([False])}  # rows of every part (tests/test_batched_logits.py checks a lone row's)
     kv = [n for n in feeds if is_past(n)]
     for prefix, j in ((None, 1), *enumerate(lengths[1:])):
         for name in kv:
@@ -107,9 +118,12 @@ def write_batched_target(causal_lm, out: Path, max_context: int, ref_feeds: dict
 
 def is_current(path: Path) -> bool:
     """Whether the batched graph at `path` is this specdeploy's (runs of several tokens per call,
-    parts without a token of their own reading another's)."""
+    parts without a token of their own reading another's, logits of the tokens asked for only,
+    a lone row's call without the other parts). One without logit_tokens or lone_row still
+    serves (every token scored, every part's attention run); the step replaces it."""
     graph = onnx.load(str(path), load_external_data=False)
-    return any(i.name == CONTEXT_ROWS for i in graph.graph.input)
+    names = {i.name for i in graph.graph.input}
+    return CONTEXT_ROWS in names and LOGIT_TOKENS in names and LONE_ROW in names
 
 
 def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:

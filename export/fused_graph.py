@@ -37,7 +37,17 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ..runtime.batching.graph import CONTEXT_ROWS, DECODE_TOKENS, RUNS, SEGMENTS, batched_io, run_kv_name
+from ..runtime.batching.graph import (
+    CONTEXT_ROWS,
+    DECODE_TOKENS,
+    LOGIT_TOKENS,
+    LONE_ROW,
+    RUNS,
+    SEGMENTS,
+    batched_io,
+    batched_kv_pairs,
+    run_kv_name,
+)
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (
     FEATURES,
@@ -81,6 +91,9 @@ class GraphBuilder:
         self.presents: list[tuple[str, str]] = []  # (graph output name, tensor)
         self.kv_shapes: dict[str, list] = {}  # KV inputs/outputs not shaped [1, kv_heads, "cache_len", D]
         self.wide_mask = wide_mask  # tree_mask has columns beyond the T new tokens (EAGLE head)
+        # A second branch of an If over the same modules (the batched graph's lone-row branch): an
+        # initializer too big to compare that is asked for again by name is the one already held.
+        self.reuse_weights = False
         self._n = 0
         self._named: dict[str, np.ndarray | None] = {}  # small constants kept to compare (weights are not)
 
@@ -89,6 +102,8 @@ class GraphBuilder:
         array = np.ascontiguousarray(array)
         if name in self._named:
             known = self._named[name]
+            if known is None and self.reuse_weights:
+                return name
             if known is None or known.dtype != array.dtype or not np.array_equal(known, array):
                 raise AssertionError(f"initializer {name} defined twice with different values")
             return name
@@ -271,9 +286,12 @@ class BatchPlan:
     gathers the parts' contexts back into token order (context_rows), so a part without a
     token of its own (it reads another's) adds no row to the linear layers."""
 
-    def __init__(self, b: GraphBuilder, runs: int):
-        self.b = b
+    def __init__(self, b: GraphBuilder, runs: int, lone: bool = False):
+        self.b, self.lone = b, lone
         self.axis1 = b.init("axis_1", np.array([1], np.int64))
+        if lone:  # one row's tokens, all of run 0's (build_batched_decoder's lone-row branch)
+            self.runs = [self._run(0)]
+            return
         (self.rows,) = b.op("Shape", [PAST_LENGTH])  # [1]: D
         (pos,) = b.op("Gather", [POSITION_IDS, DECODE_TOKENS], axis=1)
         (self.decode_positions,) = b.op("Reshape", [pos, b.init("rows_by_1", np.array([-1, 1], np.int64))])
@@ -319,6 +337,11 @@ class BatchPlan:
         qkv = b.qkv(x, attn, layer, shape)
         kv_names = (past_name(layer, KEY), past_name(layer, VALUE))
         present_names_ = (present_name(layer, KEY), present_name(layer, VALUE))
+        if self.lone:  # every token is run 0's, in order: its attention alone, the batch-1 graph's
+            ctx, pk, pv = b.gqa(qkv, attn, shape, tuple(run_kv_name(0, n) for n in kv_names), self.runs[0][3],
+                                rope, POSITION_IDS)
+            b.presents += [(run_kv_name(0, present_names_[0]), pk), (run_kv_name(0, present_names_[1]), pv)]
+            return b.linear(ctx, [attn.o_proj], f"layers.{layer}.o")
         rows_shape = b.init("rows_tokens", np.array([-1, 1, 0], np.int64))  # [1, D, C] -> [D, 1, C]
         part = [b.op("Reshape", [b.op("Gather", [q, DECODE_TOKENS], axis=1)[0], rows_shape])[0] if q else ""
                 for q in qkv]
@@ -348,7 +371,9 @@ class BatchPlan:
                 helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [BATCH_DIM]),
                 helper.make_tensor_value_info(SEGMENTS, TensorProto.INT64, [runs, 3]),
                 helper.make_tensor_value_info(DECODE_TOKENS, TensorProto.INT64, [BATCH_DIM]),
-                helper.make_tensor_value_info(CONTEXT_ROWS, TensorProto.INT64, [t])]
+                helper.make_tensor_value_info(CONTEXT_ROWS, TensorProto.INT64, [t]),
+                helper.make_tensor_value_info(LOGIT_TOKENS, TensorProto.INT64, [LOGIT_TOKENS]),
+                helper.make_tensor_value_info(LONE_ROW, TensorProto.BOOL, [1])]
 
 
 def check_silu(cfg) -> None:
@@ -357,37 +382,11 @@ def check_silu(cfg) -> None:
         raise SpecDeployError(f"fused graphs support the silu MLP only (this model has hidden_act={act!r})")
 
 
-def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
-                        feature_layers: tuple[int, ...] = (), batched: bool = False,
-                        runs: int = RUNS) -> onnx.ModelProto:
-    """The fused graph of an HF Llama-family causal LM, for the record of static T `tokens`.
-
-    T is a dynamic dimension, so the graph (and its file) is the same for every `tokens`:
-    the runtime opens it once per model. `tokens` only checks the call.
-    `batched`: the graph of many rows in one call (runtime/batching/graph.py: decode rows, and
-    `runs` runs of several tokens, each row its own past, tree and KV buffers; BatchPlan). Every
-    row of a batched call computes what the batch-1 graph does for it."""
-    if tokens < 1:
-        raise ValueError(f"a decoder graph needs T >= 1, got {tokens}")
-    cfg = causal_lm.config
-    check_silu(cfg)
+def decoder_body(b: GraphBuilder, causal_lm, attend, feature_layers: tuple[int, ...] = ()) -> tuple[str, list[str]]:
+    """The embedding, every layer (`attend(x, attn, layer)` its attention) and the final norm:
+    (hidden, the feature layers' residual streams)."""
     body = causal_lm.model
-    shape = AttentionShape(None, KVGeometry.from_config(cfg))
-    eps = float(cfg.rms_norm_eps)
-    t = TOKENS_DIM
-    b = GraphBuilder()
-    rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
-    if batched:
-        plan = BatchPlan(b, runs)
-
-        def attend(x: str, attn, layer: int) -> str:
-            return plan.attention(x, attn, layer, shape, rope)
-    else:
-        lengths = b.attention_lengths()
-
-        def attend(x: str, attn, layer: int) -> str:
-            return b.attention(x, attn, layer, shape, lengths, rope)
-
+    eps = float(causal_lm.config.rms_norm_eps)
     (h,) = b.op("Gather", [b.init("embed.weight", float32_array(body.embed_tokens.weight)), INPUT_IDS])
     pending = None  # the last sub-block's output, not yet added to the residual stream h
     features = []
@@ -413,13 +412,44 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
     hidden = norm(body.norm.weight, "final_norm")
     if len(body.layers) - 1 in feature_layers:
         features.append(h)
+    return hidden, features
+
+
+def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
+                        feature_layers: tuple[int, ...] = (), batched: bool = False,
+                        runs: int = RUNS) -> onnx.ModelProto:
+    """The fused graph of an HF Llama-family causal LM, for the record of static T `tokens`.
+
+    T is a dynamic dimension, so the graph (and its file) is the same for every `tokens`:
+    the runtime opens it once per model. `tokens` only checks the call.
+    `batched`: the graph of many rows in one call (runtime/batching/graph.py: decode rows, and
+    `runs` runs of several tokens, each row its own past, tree and KV buffers; BatchPlan). Every
+    row of a batched call computes what the batch-1 graph does for it."""
+    if tokens < 1:
+        raise ValueError(f"a decoder graph needs T >= 1, got {tokens}")
+    if batched:
+        if feature_layers:
+            raise ValueError("the batched graph outputs no layer features")
+        return build_batched_decoder(causal_lm, max_positions, runs)
+    cfg = causal_lm.config
+    check_silu(cfg)
+    body = causal_lm.model
+    shape = AttentionShape(None, KVGeometry.from_config(cfg))
+    t = TOKENS_DIM
+    b = GraphBuilder()
+    rope = b.rope_tables(body.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
+    lengths = b.attention_lengths()
+
+    def attend(x: str, attn, layer: int) -> str:
+        return b.attention(x, attn, layer, shape, lengths, rope)
+
+    hidden, features = decoder_body(b, causal_lm, attend, feature_layers)
     # The batch-1 graph scores only its last `logit_rows` rows: a prefill chunk needs one row's
     # logits (or none), and the LM head over every row was ~13-20% of a T=64 call on SmolLM2.
-    head_in, logit_dim = (hidden, t) if batched else (b.last_rows(hidden, LOGIT_ROWS), LOGIT_ROWS)
-    logits = b.linear(head_in, [causal_lm.lm_head], "lm_head")
+    logits = b.linear(b.last_rows(hidden, LOGIT_ROWS), [causal_lm.lm_head], "lm_head")
     b.rename(logits, LOGITS)
     b.rename(hidden, HIDDEN)
-    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, logit_dim, cfg.vocab_size]),
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, LOGIT_ROWS, cfg.vocab_size]),
                helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, t, cfg.hidden_size])]
     if feature_layers:
         (feat,) = b.op("Concat", features, axis=2)
@@ -427,18 +457,56 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
         outputs.append(helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT,
                                                      [1, t, cfg.hidden_size * len(feature_layers)]))
     inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, t]),
-              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, t])]
-    if batched:
-        if feature_layers:
-            raise ValueError("the batched graph outputs no layer features")
-        inputs += BatchPlan.inputs(runs)
-        io = batched_io(len(body.layers), runs)
-        b.presents.sort(key=lambda present: io.outputs.index(present[0]))  # io's order: decode, then each run
-    else:
-        inputs += [helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [1, t, t]),
-                   helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [1]),
-                   helper.make_tensor_value_info(LOGIT_ROWS, TensorProto.INT64, [1])]
-        io = decoder_io(len(body.layers), bool(feature_layers), FUSED)
+              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info(TREE_MASK, TensorProto.BOOL, [1, t, t]),
+              helper.make_tensor_value_info(PAST_LENGTH, TensorProto.INT64, [1]),
+              helper.make_tensor_value_info(LOGIT_ROWS, TensorProto.INT64, [1])]
+    io = decoder_io(len(body.layers), bool(feature_layers), FUSED)
+    return b.model("fused_decoder", inputs, outputs, shape.kv_heads, shape.head_dim, io)
+
+
+def build_batched_decoder(causal_lm, max_positions: int, runs: int = RUNS) -> onnx.ModelProto:
+    """The batched graph (runtime/batching/graph.py): one If on `lone_row` between two branches
+    over the same weights (initializers of the main graph: ORT prepacks each weight once per
+    session, whatever the nodes that read it): the call of many rows (decode rows and `runs`
+    runs, BatchPlan), and one row's tokens alone as run 0 (the batch-1 graph's nodes: a lone
+    row's call carries no attention node of the parts it lacks, ~5 of 38 ms on SmolLM2). The
+    lone branch passes the other parts' buffers through untouched. Each branch's KV outputs
+    are GroupQueryAttention's own, so the buffers bound as the If's outputs are written in
+    place as in the batch-1 graph."""
+    cfg = causal_lm.config
+    check_silu(cfg)
+    shape = AttentionShape(None, KVGeometry.from_config(cfg))
+    t = TOKENS_DIM
+    b = GraphBuilder()
+    rope = b.rope_tables(causal_lm.model.rotary_emb, cfg.hidden_size, shape.head_dim, max_positions)
+    io = batched_io(len(causal_lm.model.layers), runs)
+    branches = {}
+    for lone in (False, True):
+        b.nodes, b.presents, b.reuse_weights = [], [], lone
+        plan = BatchPlan(b, runs, lone)
+
+        def attend(x: str, attn, layer: int) -> str:
+            return plan.attention(x, attn, layer, shape, rope)
+
+        hidden, _ = decoder_body(b, causal_lm, attend)
+        # logits of the tokens `logit_tokens` names only (a prefill chunk needs its last row's, if any)
+        (head_in,) = b.op("Gather", [hidden, LOGIT_TOKENS], axis=1)
+        made = {LOGITS: b.linear(head_in, [causal_lm.lm_head], "lm_head"), HIDDEN: hidden, **dict(b.presents)}
+        for past, present in batched_kv_pairs(len(causal_lm.model.layers), runs):
+            if present not in made:  # the lone branch: a part it does not compute keeps its buffer
+                (made[present],) = b.op("Identity", [past])
+        branches[lone] = helper.make_graph(b.nodes, "lone_row" if lone else "rows", [],
+                                           [helper.make_tensor_value_info(made[n], TensorProto.FLOAT, None)
+                                            for n in io.outputs])
+    b.nodes = [helper.make_node("If", [LONE_ROW], list(io.outputs), name="If_lone_row",
+                                then_branch=branches[True], else_branch=branches[False])]
+    b.presents = []
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, LOGIT_TOKENS, cfg.vocab_size]),
+               helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, t, cfg.hidden_size])]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, b.kv_shapes[n]) for n in io.outputs[2:]]
+    inputs = [helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, t]),
+              helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, t]), *BatchPlan.inputs(runs)]
     return b.model("fused_decoder", inputs, outputs, shape.kv_heads, shape.head_dim, io)
 
 

@@ -13,7 +13,15 @@ rows' tokens, one each, then each run's. Attention comes in parts:
   very call for that row. ONNX Runtime's CPU GroupQueryAttention refuses batch > 1 at T > 1
   with a past ("batch_size must be 1 when sequence_length > 1 and past context is given"), so
   rows of several tokens each take a run of their own;
-* `context_rows` [N]: each token's row among the parts' outputs (decode part, then each run).
+* `context_rows` [N]: each token's row among the parts' outputs (decode part, then each run);
+* `logit_tokens` [M]: the call's tokens that get logits (logits [1, M, vocab]): every decode
+  row's and speculative run's, a prefill chunk's last (the LM head, 49152 x 576 on SmolLM2, is
+  ~20% of a token's work, and the target reads no logits of its prompt). Graphs exported
+  before it score every token (the runtime then picks the rows);
+* `lone_row` [1]: the call is one row's tokens (a decode step, a speculative step or a prefill
+  chunk), laid out as run 0: the graph's If then runs the batch-1 graph's nodes for it alone
+  (one attention node per layer) over the same weights, not the unused parts' attention
+  nodes (export/fused_graph.build_batched_decoder); the other parts' buffers are left as bound.
 
 Every linear layer, where the weights are read, runs once over the N tokens (ORT's MatMul
 computes a row the same for any N), so each row's logits and KV are the batch-1 graph's.
@@ -54,6 +62,8 @@ EXTRA_ROWS = 1
 SEGMENTS = "segments"  # input [R, 3] int64: each run's first token, end and past length
 DECODE_TOKENS = "decode_tokens"  # input [D] int64: the call token each decode-part row reads
 CONTEXT_ROWS = "context_rows"  # input [N] int64: each token's row among the attention parts' outputs
+LOGIT_TOKENS = "logit_tokens"  # input [M] int64: the call's tokens whose logits the graph computes
+LONE_ROW = "lone_row"  # input [1] bool: the call is one row's tokens, laid out as run 0 (see below)
 # Runs of several tokens one call takes (exported; the graph's inputs say how many): rows that
 # speculate in one call. An unused run costs only a small attention node per layer (SmolLM2,
 # 2 threads, a one-row decode call took 35.5 ms of CPU with 4 runs and 41.8 with 2: noise), while
@@ -66,14 +76,17 @@ def run_kv_name(run: int, name: str) -> str:
     return f"run{run}.{name}"
 
 
+def batched_kv_pairs(num_layers: int, runs: int) -> list[tuple[str, str]]:
+    """Every KV buffer's (input, output) names: the decode part's, then each run's."""
+    pairs = list(zip(past_names(num_layers), present_names(num_layers)))
+    return pairs + [(run_kv_name(r, past), run_kv_name(r, present)) for r in range(runs) for past, present in pairs]
+
+
 def batched_io(num_layers: int, runs: int) -> GraphIO:
+    pairs = batched_kv_pairs(num_layers, runs)
     inputs = [INPUT_IDS, POSITION_IDS, TREE_MASK, PAST_LENGTH, SEGMENTS, DECODE_TOKENS, CONTEXT_ROWS,
-              *past_names(num_layers)]
-    outputs = [LOGITS, HIDDEN, *present_names(num_layers)]
-    for r in range(runs):
-        inputs += [run_kv_name(r, n) for n in past_names(num_layers)]
-        outputs += [run_kv_name(r, n) for n in present_names(num_layers)]
-    return GraphIO(tuple(inputs), tuple(outputs))
+              LOGIT_TOKENS, LONE_ROW, *(past for past, _ in pairs)]
+    return GraphIO(tuple(inputs), (LOGITS, HIDDEN, *(present for _, present in pairs)))
 
 
 def batched_graph_path(manifest: Manifest) -> Path:
@@ -101,6 +114,7 @@ class Run:
     mask: np.ndarray  # [T, T]
     past: int
     kv: dict[str, np.ndarray]  # past_* name -> the row's [1, kv_heads, S, D] buffer view
+    logit_rows: np.ndarray | None = None  # the run's tokens (0..T-1) that need logits; None: all
 
 
 class BatchedGraph:
@@ -117,6 +131,8 @@ class BatchedGraph:
                                   f"`python -m specdeploy.export.batched_graph {manifest.root}`")
         self.vocab, self.hidden = int(outputs[LOGITS][2]), int(outputs[HIDDEN][2])
         self.runs = int(inputs[SEGMENTS][0])
+        self.picks_logits = LOGIT_TOKENS in inputs  # else every token's logits (an older export)
+        self.has_lone_row = LONE_ROW in inputs  # else a lone row's call computes every part too
         self.kv_names = [n for n in inputs if is_past(n)]
         _, heads, _, dim = inputs[self.kv_names[0]]
         # where an unused run (and the decode part with no row decoding) writes its token's KV
@@ -150,15 +166,23 @@ class BatchedGraph:
 
     def run(self, decode: list[tuple[int, int, int] | int], decode_kv: dict[str, np.ndarray] | None,
             runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [N, vocab], hidden [N, hidden]) of one call's N tokens, in order: each decode
-        row's, then each run's; KV written in place. `decode`: the rows of `decode_kv` ([D,
-        kv_heads, S, D] views by past_* name), each (token, position, past), or a bare past (a
-        trash row) for a row that takes no part; none: the decode part works on a scratch buffer."""
+        """(logits [M, vocab], hidden [N, hidden]) of one call's N tokens, in order: each decode
+        row's, then each run's (logits: of its `logit_rows` only); KV written in place. `decode`:
+        the rows of `decode_kv` ([D, kv_heads, S, D] views by past_* name), each (token, position,
+        past), or a bare past (a trash row) for a row that takes no part; none: the decode part
+        works on a scratch buffer."""
         if len(runs) > self.runs:
             raise ValueError(f"{len(runs)} runs in one call; the graph takes {self.runs}")
         if not runs and not any(isinstance(row, tuple) for row in decode):
             raise ValueError("a call needs at least one token")
         ort = self._ort
+        lone = self.has_lone_row and (len(runs) == 1 and not any(isinstance(row, tuple) for row in decode)
+                                      or not runs and len(decode) == 1 and isinstance(decode[0], tuple))
+        if lone and not runs:  # a lone decode row: a run of one token over its own buffers
+            assert decode_kv is not None and isinstance(decode[0], tuple)
+            token, position, row_past = decode[0]
+            runs = [Run(np.array([token]), np.array([position]), np.ones((1, 1), bool), row_past, decode_kv)]
+            decode = []
         if not decode:
             decode, decode_kv = [0], self._scratch[-1]
         assert decode_kv is not None
@@ -171,6 +195,7 @@ class BatchedGraph:
         past = np.zeros(len(decode), np.int64)
         decode_tokens = np.zeros(len(decode), np.int64)  # rows taking no part read token 0
         context_rows = np.empty(n, np.int64)
+        logit_tokens = []
         at = 0
         for i, row in enumerate(decode):
             if isinstance(row, tuple):
@@ -179,6 +204,7 @@ class BatchedGraph:
                 at += 1
             else:
                 past[i] = row
+        logit_tokens.append(np.arange(at))  # every decode row's
         rows = len(decode)  # the decode part's outputs come first, then each run's
         for r, run in enumerate(runs):
             end = at + len(run.ids)
@@ -186,18 +212,27 @@ class BatchedGraph:
             mask[at:end, at:end] = run.mask
             segments[r] = at, end, run.past
             context_rows[at:end] = np.arange(rows, rows + end - at)
+            logit_tokens.append(at + (np.arange(end - at) if run.logit_rows is None else run.logit_rows))
             rows += end - at
             at = end
+        picked = np.concatenate(logit_tokens).astype(np.int64)
         io = self._io
-        for name, value in ((INPUT_IDS, ids), (POSITION_IDS, positions), (TREE_MASK, mask), (PAST_LENGTH, past),
-                            (SEGMENTS, segments), (DECODE_TOKENS, decode_tokens), (CONTEXT_ROWS, context_rows)):
+        feeds = [(INPUT_IDS, ids), (POSITION_IDS, positions), (TREE_MASK, mask), (PAST_LENGTH, past),
+                 (SEGMENTS, segments), (DECODE_TOKENS, decode_tokens), (CONTEXT_ROWS, context_rows)]
+        if self.picks_logits:
+            feeds.append((LOGIT_TOKENS, picked))
+        if self.has_lone_row:
+            feeds.append((LONE_ROW, np.array([lone])))
+        for name, value in feeds:
             io.bind_cpu_input(name, value)
         for part, kv in enumerate([decode_kv, *(run.kv for run in runs), *self._scratch[len(runs):self.runs]]):
             self._bind_kv(part, kv)  # unused runs: their scratch
-        logits = np.empty((1, n, self.vocab), np.float32)
+        logits = np.empty((1, len(picked) if self.picks_logits else n, self.vocab), np.float32)
         hidden = np.empty((1, n, self.hidden), np.float32)
         keep = [ort.OrtValue.ortvalue_from_numpy(array) for array in (logits, hidden)]  # alive through the run
         io.bind_ortvalue_output(LOGITS, keep[0])
         io.bind_ortvalue_output(HIDDEN, keep[1])
         self.session.run_with_iobinding(io)
+        if not self.picks_logits and len(picked) < n:
+            return logits[0, picked], hidden[0]
         return logits[0], hidden[0]

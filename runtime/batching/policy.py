@@ -59,19 +59,25 @@ class CostModel:
 
     def __init__(self) -> None:
         self.calls: dict[int, float] = {}  # calls of decode rows only, by tokens, as measured
+        # a lone row's calls by tokens, as measured (the batched graph's lone-row branch: its
+        # attention alone, no run's own cost; empty for a graph without it)
+        self.lone: dict[int, float] = {}
         self._run_s = 0.0  # as measured, negative noise included (clipped where used)
         self.load = 1.0  # calls' time now over the measured curve's: an average of each call's ratio
         self._lock = threading.Lock()
         self._version = 0  # bumped by each measured size: the slope is fitted once per change, not per step
         self._slope: tuple[int, float] = (-1, 0.0)  # (the version it was fitted at, the slope)
 
-    def observe(self, tokens: int, seconds: float, runs: int = 0, replace: bool = False) -> None:
+    def observe(self, tokens: int, seconds: float, runs: int = 0, replace: bool = False, lone: bool = False) -> None:
         """A call's time. `replace`: a measurement of the curve (a call of `tokens` decode rows,
-        or with `runs` runs: the run's cost, its time beyond as many decode rows' tokens);
-        otherwise it refines `load` (the first call of a size with nothing measured is its time;
-        calls beyond the largest size measured, prefill chunks, only extrapolate the curve and
-        are left out)."""
+        or with `runs` runs: the run's cost, its time beyond as many decode rows' tokens; `lone`:
+        a lone row's call of `tokens`); otherwise it refines `load` (the first call of a size
+        with nothing measured is its time; calls beyond the largest size measured, prefill
+        chunks, only extrapolate the curve and are left out)."""
         with self._lock:
+            if lone and (replace or self.lone):
+                self._observe_lone(tokens, seconds, replace)
+                return
             base = self._interpolate(self.calls, tokens)
             if replace and runs:
                 self._run_s = (seconds - base) / runs
@@ -84,15 +90,28 @@ class CostModel:
                 if predicted > 0:
                     self.load = (1 - EMA) * self.load + EMA * seconds / predicted
 
+    def _observe_lone(self, tokens: int, seconds: float, replace: bool) -> None:
+        if replace:
+            self.lone[tokens] = seconds
+        elif tokens <= max(self.lone):
+            predicted = self._interpolate(self.lone, tokens)
+            if predicted > 0:
+                self.load = (1 - EMA) * self.load + EMA * seconds / predicted
+
     def calibrate(self, batcher, rows: list[int], tokens: list[int], repeats: int = 3) -> None:
         """Time call sizes before serving: `rows` decode rows alone, and one decode row with a
-        run of t - 1 tokens for each t of `tokens`; a warm-up call, then the fastest of `repeats`."""
+        run of t - 1 tokens for each t of `tokens`, and (a graph with a lone-row branch) a lone
+        row's call of 1 and of each t tokens; a warm-up call, then the fastest of `repeats`."""
         shapes = [(r, 0) for r in rows] + [(1, t - 1) for t in tokens if t > 1]
+        if batcher.lone_calls:
+            shapes += [(0, t) for t in sorted({1, *tokens})]
         runs: list[float] = []
         for r, t in shapes:
             batcher.time_call(r, t)
             seconds = min(batcher.time_call(r, t) for _ in range(repeats))
-            if t:
+            if not r:
+                self.observe(t, seconds, replace=True, lone=True)
+            elif t:
                 runs.append(seconds - self._interpolate(self.calls, r + t))
             else:
                 self.observe(r, seconds, replace=True)
@@ -125,6 +144,11 @@ class CostModel:
             return table[b] + (table[b] - table[a]) / (b - a) * (x - b)
         a, b = keys[i - 1], keys[i]
         return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+
+    def lone_s(self, tokens: int) -> float | None:
+        """Seconds of a lone row's call of `tokens` now; None without lone-row timings."""
+        with self._lock:
+            return self.load * self._interpolate(self.lone, tokens) if self.lone else None
 
     def call_s(self, tokens: int) -> float:
         with self._lock:
@@ -204,14 +228,24 @@ class SpeculationPolicy:
             return 0
         if not self.enabled:
             return most
-        per_token = self.costs.call_s(rows) / rows  # seconds per token the batch makes decoding plainly
-        token, run = self.costs.token_s(), self.costs.run_s
+        lone = self.costs.lone_s(1) if rows == 1 else None
+        if lone is not None:  # a row alone: its calls are the graph's lone-row calls, as measured
+            per_token = lone
+
+            def added(k: int) -> float:  # seconds k drafts add to the row's call
+                return max(0.0, (self.costs.lone_s(k + 1) or 0.0) - lone)
+        else:
+            per_token = self.costs.call_s(rows) / rows  # seconds per token the batch makes decoding plainly
+            token, run = self.costs.token_s(), self.costs.run_s
+
+            def added(k: int) -> float:
+                return k * token + run
         best, best_k = 0.0, 0
         for k in sorted({min(k, most) for k in self.sizes}):
-            gain = (expected_tokens(survival, k) - 1) * per_token - (k * token + run + draft_s)
+            gain = (expected_tokens(survival, k) - 1) * per_token - (added(k) + draft_s)
             if gain > best:
                 best, best_k = gain, k
-        if best_k == 0 and EXPLORE * plain_steps * per_token >= token + run + draft_s:
+        if best_k == 0 and EXPLORE * plain_steps * per_token >= added(1) + draft_s:
             return 1  # a probe
         return best_k
 

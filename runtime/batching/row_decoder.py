@@ -32,11 +32,16 @@ class RowDecoder(Decoder):
         self.batcher, self.slot = batcher, slot
         self._prefilling = False
 
-    def _run(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
+    def _run(self, t: int, feeds: dict[str, np.ndarray], n: int, logit_rows: np.ndarray | None = None) -> StepOutput:
         work = self.batcher.submit(Work(self.slot, feeds[INPUT_IDS][0].copy(), feeds[POSITION_IDS][0].copy(),
-                                        feeds[TREE_MASK][0].copy(), self.cache.length, prefill=self._prefilling))
+                                        feeds[TREE_MASK][0].copy(), self.cache.length, prefill=self._prefilling,
+                                        logit_rows=logit_rows))
         assert work.logits is not None and work.hidden is not None
         return StepOutput(work.logits[:n], work.hidden[:n], [])
+
+    def _run_last_logits(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
+        """A prefill chunk: the last real row's logits only ([1, vocab], as the batch-1 decoder's)."""
+        return self._run(t, feeds, n, np.array([n - 1], np.int64))
 
     def prefill(self, tokens, chunk: int, on_chunk=None, all_logits: bool = False) -> StepOutput | None:
         self._prefilling = True  # the scheduler runs one prefill chunk per step

@@ -46,8 +46,9 @@ class Work:
     mask: np.ndarray  # [T, T]
     past: int
     prefill: bool = False
+    logit_rows: np.ndarray | None = None  # the rows (0..T-1) whose logits the row reads; None: all
     done: threading.Event = field(default_factory=threading.Event)
-    logits: np.ndarray | None = None  # [T, vocab]
+    logits: np.ndarray | None = None  # [T, vocab], or [len(logit_rows), vocab]
     hidden: np.ndarray | None = None
     error: BaseException | None = None
 
@@ -64,7 +65,8 @@ class Batcher:
         self._active: set[int] = set()  # slots with a request in progress
         self._last_step_s = 0.0
         self.steps = 0
-        self.observers: list = []  # callables (tokens computed, seconds, runs used) after each call
+        self.observers: list = []  # callables (tokens computed, seconds, runs used, lone=) after each call
+        self.lone_calls = graph.has_lone_row  # a row alone runs the graph's lone-row branch
         self._seats: set[int] = set()  # slots whose next call is a speculative step
         self.seats = graph.runs
         self._closed = False
@@ -185,8 +187,9 @@ class Batcher:
             for w in work:
                 w.error = exc
         seconds = time.perf_counter() - start
+        lone = self.lone_calls and len(work) == 1
         for observe in self.observers:
-            observe(tokens, seconds, len(runs))
+            observe(tokens, seconds, len(runs), lone=lone)
         with self._cond:
             self._seats.difference_update(w.slot for w in work)
         for w in work:
@@ -195,8 +198,8 @@ class Batcher:
 
     def time_call(self, rows: int, tokens: int = 0) -> float:
         """Seconds of one placeholder call: `rows` decode rows, and a run of `tokens` tokens
-        (0: none), each at a past of CALIBRATION_PAST rows; for start-up only (it writes scratch
-        rows of empty slots)."""
+        (0: none; with no decode row, a lone row's call), each at a past of CALIBRATION_PAST
+        rows; for start-up only (it writes scratch rows of empty slots)."""
         past = min(CALIBRATION_PAST, self.kv.max_context - tokens - 1)
         decodes = [Work(s, np.zeros(1, np.int64), np.full(1, past), np.ones((1, 1), bool), past) for s in range(rows)]
         runs = [Work(rows % self.kv.slots, np.zeros(tokens, np.int64), past + np.arange(tokens),
@@ -216,11 +219,14 @@ class Batcher:
                 rows[w.slot - lo] = (int(w.ids[0]), int(w.positions[0]), w.past)
             views = self.kv.views(lo, hi)
         logits, hidden = self.graph.run(rows, views, [Run(w.ids, w.positions, w.mask, w.past,
-                                                          self.kv.views(w.slot, w.slot + 1)) for w in runs])
+                                                          self.kv.views(w.slot, w.slot + 1), w.logit_rows)
+                                                      for w in runs])
         for at, w in enumerate(decodes):
             w.logits, w.hidden = logits[at : at + 1], hidden[at : at + 1]
-        at = len(decodes)
+        at = scored = len(decodes)
         for w in runs:
-            w.logits, w.hidden = logits[at : at + w.tokens], hidden[at : at + w.tokens]
+            m = w.tokens if w.logit_rows is None else len(w.logit_rows)
+            w.logits, w.hidden = logits[scored : scored + m], hidden[at : at + w.tokens]
             at += w.tokens
+            scored += m
         return at

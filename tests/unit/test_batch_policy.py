@@ -164,3 +164,20 @@ def test_a_row_that_never_missed_drafts_deep():
         row.add(14, 14)
     assert row.survival()[13] > 0.5
     assert SpeculationPolicy(cpu_like_costs()).draft_size(4, row.survival(), most=14) == 14
+
+
+def test_a_row_alone_weighs_its_drafts_by_its_own_calls_times():
+    """A row alone runs the batched graph's lone-row branch (no run's own cost, no decode part):
+    its drafts are weighed by those calls' measured times, not by the batch's curve plus a run."""
+    costs = cpu_like_costs()
+    costs.observe(6, costs.call_s(6) + 0.010, runs=1, replace=True)  # a run costs 10 ms beside decode rows
+    batch_only = SpeculationPolicy(costs)
+    k_batch = batch_only.draft_size(1, 0.3, most=8)
+    for tokens in (1, 2, 4, 8, 16):
+        costs.observe(tokens, 0.018 + 0.002 * tokens, replace=True, lone=True)
+    assert np.isclose(costs.lone_s(5), 0.028)
+    alone = SpeculationPolicy(costs)
+    assert alone.draft_size(1, 0.3, most=8) > k_batch  # no run cost alone
+    assert alone.draft_size(4, 0.3, most=8) == batch_only.draft_size(4, 0.3, most=8)  # rows: the batch's curve
+    costs.observe(5, 2 * 0.028, lone=True)  # a loaded machine: lone calls refine the load too
+    assert costs.load > 1.0
