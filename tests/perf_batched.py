@@ -1,8 +1,10 @@
 """What a lone row costs in the batched target graph beside the batch-1 graph (not collected by
 pytest): a plain decode step and a speculative step of T tokens, each at a past of 64, the
-graphs' calls interleaved, median wall and CPU ms of `--repeats` calls each.
+graphs' calls interleaved, median wall and CPU ms of `--repeats` calls each. `batched-last`:
+the step scoring its last row only (a prefill chunk); `--before EXPORT`: that export's batched
+graph too (an older form, e.g. one without the lone-row branch), as `batched-before`.
 
-    python tests/perf_batched.py build/export/default [--threads 2]
+    python tests/perf_batched.py build/export/default [--threads 2] [--tokens 1 5 64] [--before DIR]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def batch1_call(manifest, threads):
     return call
 
 
-def batched_call(manifest, threads):
+def batched_call(manifest, threads, last_row: bool = False):
     graph = BatchedGraph(manifest, threads)
     spec = manifest.models[TARGET]
     kv = {n: np.zeros((1, spec.num_kv_heads, manifest.max_context + 1, spec.head_dim), np.float32)
@@ -49,7 +51,7 @@ def batched_call(manifest, threads):
             graph.run([(0, PAST, PAST)], kv, [])
         else:
             graph.run([], None, [Run(np.zeros(t, np.int64), PAST + np.arange(t), np.tril(np.ones((t, t), bool)),
-                                     PAST, kv)])
+                                     PAST, kv, np.array([t - 1]) if last_row else None)])
     return call
 
 
@@ -59,9 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--before", type=Path, help="an export whose batched graph to time beside")
     args = ap.parse_args(argv)
     manifest = load_manifest(args.export, verify_checksums=False)
-    calls = {"batch-1": batch1_call(manifest, args.threads), "batched": batched_call(manifest, args.threads)}
+    calls = {"batch-1": batch1_call(manifest, args.threads), "batched": batched_call(manifest, args.threads),
+             "batched-last": batched_call(manifest, args.threads, last_row=True)}
+    if args.before is not None:
+        calls["batched-before"] = batched_call(load_manifest(args.before, verify_checksums=False), args.threads)
     times: dict = {(name, t): ([], []) for name in calls for t in args.tokens}
     for name, call in calls.items():  # warm-up
         for t in args.tokens:
