@@ -8,7 +8,8 @@ current rate of tokens per second:
     (E(k) - 1) * call(n) / n  >  k * token + run + draft
 
 call(N): seconds of a call of N tokens as decode rows; token: the slope of a line fitted to
-those times (one noisy timing never makes a draft look free); run: what a row's tokens cost
+those times, or to a lone row's calls of 1 to 16 tokens where the graph has them (one noisy
+timing never makes a draft look free); run: what a row's tokens cost
 more as a run of their own (its attention node beside the decode rows', graph.py) than as
 decode rows; all measured (`CostModel`: at start-up by `calibrate`, then scaled by every
 call the scheduler runs to the machine's current load); draft: the method's measured time
@@ -92,6 +93,7 @@ class CostModel:
 
     def _observe_lone(self, tokens: int, seconds: float, replace: bool) -> None:
         if replace:
+            self._version += 1
             self.lone[tokens] = seconds
         elif tokens <= max(self.lone):
             predicted = self._interpolate(self.lone, tokens)
@@ -103,8 +105,8 @@ class CostModel:
         run of t - 1 tokens for each t of `tokens`, and (a graph with a lone-row branch) a lone
         row's call of 1 and of each t tokens; a warm-up call, then the fastest of `repeats`."""
         shapes = [(r, 0) for r in rows] + [(1, t - 1) for t in tokens if t > 1]
-        if batcher.lone_calls:
-            shapes += [(0, t) for t in sorted({1, *tokens})]
+        if batcher.lone_calls:  # one decode row is a lone call: timed as such, not on the rows' curve
+            shapes = [(r, t) for r, t in shapes if (r, t) != (1, 0)] + [(0, t) for t in sorted({1, *tokens})]
         runs: list[float] = []
         for r, t in shapes:
             batcher.time_call(r, t)
@@ -155,12 +157,15 @@ class CostModel:
             return self.load * self._interpolate(self.calls, tokens) if tokens > 0 else 0.0
 
     def token_s(self) -> float:
-        """Seconds a token adds to a call: the least-squares slope over the call sizes measured."""
+        """Seconds a token adds to a call: the least-squares slope over the call sizes measured
+        (a lone row's calls where measured: more sizes, and a token adds the same linear-layer
+        work to any call; the rows' curve starts at two rows, a call of parts apart)."""
         with self._lock:
             if self._slope[0] != self._version:
-                if len(self.calls) < 2:
+                table = self.lone if len(self.lone) >= 2 else self.calls
+                if len(table) < 2:
                     return 0.0
-                x, y = np.array(list(self.calls)), np.array(list(self.calls.values()))
+                x, y = np.array(list(table)), np.array(list(table.values()))
                 self._slope = (self._version, max(0.0, float(np.polyfit(x, y, 1)[0])))
             return self.load * self._slope[1]
 
