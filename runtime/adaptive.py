@@ -28,12 +28,13 @@ draws, and either kind of step is lossless given the past: sampling stays exact.
 
 What a loaded export measured (`Memory`) carries from request to request: both step
 times, as a prior worth a few steps that the request's own steps soon outweigh, and
-where the policy stood (mode, backoff, steps left before the next probe), so a method
-that kept losing starts the next request plain and probes when its backoff runs out,
-counting steps across requests, instead of paying for speculative steps (and the
-drafter's catch-up on the prompt) in every request. Acceptance is each request's own
-(prompts differ), and so is one probe at its first drafting step: a new prompt may be
-one the answer copies.
+whether speculation was losing, so a method that kept losing starts the next request
+plain instead of paying for speculative steps (and the drafter's catch-up on the prompt)
+from its first step. Acceptance is each request's own (prompts differ): such a request
+probes at its first drafting step and then on its own backoff, from the shortest. A
+losing method pays a few probes per request (the backoff doubles to its cap in four);
+carrying the backoff and its wait instead held a code request that copies plain for
+its first ~35 steps after chat requests that copied nothing.
 """
 
 from __future__ import annotations
@@ -208,8 +209,11 @@ class AdaptivePolicy:
     @classmethod
     def resume(cls, memory: Memory, key: str) -> "AdaptivePolicy":
         spec = memory.spec.get(key) or Speculated()
-        return cls(memory.plain.prior(), Speculated(spec.seconds.prior(), Average(), spec.backoff,
-                                                    spec.plain_mode, spec.wait))
+        # The backoff restarts: it says how clearly the last request's acceptance lost, and a new
+        # request's is its own (a code answer that copies after a chat answer that copied nothing
+        # waited out the chat request's backoff plain: prompt lookup 2.0 tokens per call on it vs 4.0)
+        return cls(memory.plain.prior(), Speculated(spec.seconds.prior(), Average(), MIN_BACKOFF,
+                                                    spec.plain_mode, 0))
 
     def remember(self, memory: Memory, key: str) -> None:
         memory.plain = self.plain_seconds

@@ -80,7 +80,7 @@ class Generation:
         self.speculative = config.verify_tokens > 1  # ar never speculates: nothing to adapt
         self._times_key = repr(config)
         self.policy = None
-        if self.speculative and (on_by_default() if adaptive is None else adaptive):
+        if self.speculative and not self.drafter.sizes_own_rows and (on_by_default() if adaptive is None else adaptive):
             self.policy = AdaptivePolicy.resume(export.part("adaptive", Memory), self._times_key)
         self.target = export.decoder("target")
         self.exact_chain = exact_rows_only(export)

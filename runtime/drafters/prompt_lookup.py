@@ -76,6 +76,7 @@ def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int
 
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
+    sizes_own_rows = True  # DraftLength: a chain only as long as its acceptance pays for
 
     def __init__(self, k: int, max_ngram: int, min_ngram: int, row_cost: float = 0.0):
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram

@@ -86,6 +86,7 @@ def build(export, config: SuffixConfig) -> SuffixDrafter:
 
 class SuffixDrafter(Drafter):
     name = "suffix"
+    sizes_own_rows = True  # only nodes worth their rows are verified (tree_budget)
 
     def __init__(self, config: SuffixConfig, cache: SuffixCache | None = None):
         self.config, self.cache = config, cache
