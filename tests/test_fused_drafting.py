@@ -39,6 +39,7 @@ class Watched:
     def __init__(self, drafter):
         self.inner, self.proposals, self.parts = drafter, [], []
         self.deterministic, self.default_sampling = drafter.deterministic, drafter.default_sampling
+        self.sizes_own_rows = drafter.sizes_own_rows
 
     def prefilled(self, out):
         self.inner.prefilled(out)
