@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
-                   help="speculate every step (default: decode plainly while speculating is measured slower; "
+                   help="speculate every step (default: a model drafter decodes plainly while speculating is "
+                   "measured slower; prompt lookup and suffix size their drafts by the rows' cost instead; "
                    "SPECDEPLOY_ADAPTIVE=0 switches it off everywhere)")
     g.add_argument("--param", action="append", metavar="KEY=VALUE",
                    help="override a setting of the method's exported config, e.g. --param max_ngram=2 (repeatable; "
