@@ -98,6 +98,49 @@ def test_every_row_of_a_batched_call_equals_the_row_alone(batched_export):
         np.testing.assert_array_equal(kv[n][1, :, :trash], before[n][1, :, :trash])
 
 
+def test_slots_that_take_no_part_in_a_call_leave_every_row_as_it_was(batched_export):
+    """The scheduler's call with gaps in its decode range (`Batcher._gap_pasts`): a row running
+    in the call (it writes just past its run), a row waiting on a later call (at its own past),
+    a busy row (the trash row only) and a slot no request holds. The decode rows and the run
+    equal the batch-1 graph's, and no row's KV below what it may overwrite itself moves."""
+    from specdeploy.runtime.batching.graph import BatchedGraph
+    from specdeploy.runtime.batching.kv_slots import SlotKV
+    from specdeploy.runtime.batching.scheduler import Batcher, Work
+    from specdeploy.runtime.manifest import load_manifest
+
+    single, spec = _batch1_session(batched_export)
+    manifest = load_manifest(batched_export)
+    kv = SlotKV(spec, 6, manifest.max_context)
+    rng = np.random.default_rng(1)
+    for buf in (*kv.keys, *kv.values):
+        buf[...] = rng.standard_normal(buf.shape).astype(np.float32)
+    bufs = kv.views(0, kv.slots)
+    before = {n: buf.copy() for n, buf in bufs.items()}
+    batcher = Batcher(BatchedGraph(manifest), kv)
+    try:
+        def work(slot, past, t=1):
+            return Work(slot, rng.integers(0, spec.vocab_size, t), past + np.arange(t), np.tril(np.ones((t, t), bool)),
+                        past)
+
+        decodes, run, waiting = [work(0, 9), work(5, 30)], work(1, 20, 4), work(3, 12, 3)
+        for slot in (0, 1, 2, 3, 5):  # slot 4: no request; slot 2: busy between its calls
+            batcher.join(slot)
+        batcher._waiting[3] = waiting
+        assert batcher._gap_pasts(0, 6, [run]) == [kv.trash, 24, kv.trash, 12, 0, kv.trash]
+        batcher._call(decodes, [run])
+        for w in (*decodes, run):
+            alone = _run(single, w.ids[None], w.positions[None], w.mask[None], np.array([w.past]),
+                         {n: v[w.slot : w.slot + 1].copy() for n, v in before.items()})
+            np.testing.assert_array_equal(w.logits, alone[LOGITS][0])
+        for n, buf in bufs.items():
+            old = before[n]
+            np.testing.assert_array_equal(buf[1, :, :20], old[1, :, :20])  # the run's past
+            np.testing.assert_array_equal(buf[2, :, : kv.trash], old[2, :, : kv.trash])  # busy: all its rows
+            np.testing.assert_array_equal(buf[3, :, :12], old[3, :, :12])  # waiting: below its past
+    finally:
+        batcher.close()
+
+
 JOBS = [dict(prompt="Once upon a time", method="ar"),
         dict(prompt="the cat sat on the mat and the cat sat on", method="prompt-lookup"),
         dict(prompt="a b c d a b c d a b", method="suffix", temperature=0.8, seed=3),
