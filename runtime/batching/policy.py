@@ -107,16 +107,25 @@ class CostModel:
         shapes = [(r, 0) for r in rows] + [(1, t - 1) for t in tokens if t > 1]
         if batcher.lone_calls:  # one decode row is a lone call: timed as such, not on the rows' curve
             shapes = [(r, t) for r, t in shapes if (r, t) != (1, 0)] + [(0, t) for t in sorted({1, *tokens})]
-        runs: list[float] = []
         for r, t in shapes:
             batcher.time_call(r, t)
-            seconds = min(batcher.time_call(r, t) for _ in range(repeats))
+        # The repeats in turns over every shape, not each shape's back to back: a run's cost is a
+        # difference of two shapes' times, and a shared machine's load drifts between them
+        best: dict[tuple[int, int], float] = {}
+        for _ in range(repeats):
+            for shape in shapes:
+                seconds = batcher.time_call(*shape)
+                best[shape] = min(best.get(shape, seconds), seconds)
+        for (r, t), seconds in best.items():
             if not r:
                 self.observe(t, seconds, replace=True, lone=True)
-            elif t:
-                runs.append(seconds - self._interpolate(self.calls, r + t))
-            else:
+            elif not t:
                 self.observe(r, seconds, replace=True)
+        for table in (self.calls, self.lone):  # more tokens never take less time: a dip is noise
+            top = 0.0  # (SmolLM2 at load 5: 2 rows 62.7 ms, 4 rows 57.8, and past 4 a falling slope)
+            for size in sorted(table):
+                top = table[size] = max(top, table[size])
+        runs = [seconds - self._interpolate(self.calls, r + t) for (r, t), seconds in best.items() if r and t]
         if runs:
             self._run_s = float(np.median(runs))
         self.load = 1.0

@@ -181,3 +181,39 @@ def test_a_row_alone_weighs_its_drafts_by_its_own_calls_times():
     assert alone.draft_size(4, 0.3, most=8) == batch_only.draft_size(4, 0.3, most=8)  # rows: the batch's curve
     costs.observe(5, 2 * 0.028, lone=True)  # a loaded machine: lone calls refine the load too
     assert costs.load > 1.0
+
+
+class ScriptedCalls:
+    """Call times as a function of the shape and of the machine's load, which drifts by call
+    (the calibration's timing source; the real graph's times are what `tests/test_batching.py`
+    calibrates on)."""
+
+    lone_calls = True
+
+    def __init__(self, seconds, drift: float = 0.0):
+        self.seconds, self.drift, self.calls = seconds, drift, 0
+
+    def time_call(self, rows: int, tokens: int = 0) -> float:
+        self.calls += 1
+        return self.seconds(rows, tokens) * (1 + self.drift * self.calls)
+
+
+def test_calibration_times_shapes_in_turns_and_reads_no_dip_as_a_cheaper_call():
+    """A load that drifts over the calibration makes later shapes look dearer: timed in turns
+    (fastest of each), a run's cost stays near the truth. A rows' curve whose larger call timed
+    faster (noise) is read flat there, not as a falling slope that prices long runs as free."""
+    def truth(rows: int, tokens: int) -> float:
+        return 0.050 + 0.004 * (rows + tokens) + (0.003 if rows and tokens else 0.0)
+
+    costs = CostModel()
+    costs.calibrate(ScriptedCalls(truth, drift=0.002), [1, 2, 4, 8, 16], [2, 4, 8, 15])
+    assert abs(costs.run_s - 0.003) < 0.002
+    assert abs(costs.token_s() - 0.004) < 0.001
+
+    def dip(rows: int, tokens: int) -> float:  # 4 rows timed under 2 rows' time
+        return 0.0578 if (rows, tokens) == (4, 0) else truth(rows, tokens)
+
+    costs = CostModel()
+    costs.calibrate(ScriptedCalls(dip), [1, 2, 4], [2, 4, 8, 15])
+    assert costs.call_s(4) >= costs.call_s(2)
+    assert costs.run_s < 0.02  # the runs past 4 tokens priced off a flat curve, not a falling one
