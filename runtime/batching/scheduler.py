@@ -119,8 +119,6 @@ class Batcher:
                     self._running = False
                     self._cond.notify_all()
         work.done.wait()
-        with self._cond:
-            del self._waiting[work.slot]
         if work.error is not None:
             raise work.error
         return work
@@ -196,6 +194,9 @@ class Batcher:
             observe(tokens, seconds, len(runs), lone=lone)
         with self._cond:
             self._seats.difference_update(w.slot for w in work)
+            for w in work:  # before its row wakes: from then on the row may be committing
+                if self._waiting.get(w.slot) is w:
+                    del self._waiting[w.slot]
         for w in work:
             w.done.set()
         return seconds
