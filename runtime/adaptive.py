@@ -101,14 +101,13 @@ class Average:
 
 @dataclass
 class Speculated:
-    """A method config's speculative steps (seconds, tokens) and where its policy stood
-    (a new request takes the seconds as a prior, and starts its own tokens)."""
+    """A method config's speculative steps (seconds, tokens) and whether its policy ended plain
+    (a new request takes the seconds as a prior, starts its own tokens and, ended plain, probes
+    first). The backoff is not carried: it says how clearly the last request lost (see `resume`)."""
 
     seconds: Average = field(default_factory=Average)
     tokens: Average = field(default_factory=Average)
-    backoff: int = MIN_BACKOFF
     plain_mode: bool = False
-    wait: int = 0
 
 
 @dataclass
@@ -125,13 +124,13 @@ class AdaptivePolicy:
 
     def __init__(self, plain_seconds: Average | None = None, spec: Speculated | None = None,
                  min_backoff: int = MIN_BACKOFF, max_backoff: int = MAX_BACKOFF):
-        spec = spec or Speculated(backoff=min_backoff)
+        spec = spec or Speculated()
         self.plain_seconds = plain_seconds or Average()
         self.spec_seconds, self.spec_tokens = spec.seconds, spec.tokens
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
-        self.backoff = spec.backoff
+        self.backoff = min_backoff
         self.plain_mode = spec.plain_mode  # speculation was last found losing
-        self.wait = spec.wait  # plain steps left before the next probe (plain mode)
+        self.wait = 0  # plain steps left before the next probe (plain mode)
         self.since_plain = 0  # speculative steps since a plain step was last timed
         self.seen_spec = False
         self.start_probe = self.plain_mode  # the request's own probe (module docstring)
@@ -212,12 +211,11 @@ class AdaptivePolicy:
         # The backoff restarts: it says how clearly the last request's acceptance lost, and a new
         # request's is its own (a code answer that copies after a chat answer that copied nothing
         # waited out the chat request's backoff plain: prompt lookup 2.0 tokens per call on it vs 4.0)
-        return cls(memory.plain.prior(), Speculated(spec.seconds.prior(), Average(), MIN_BACKOFF,
-                                                    spec.plain_mode, 0))
+        return cls(memory.plain.prior(), Speculated(spec.seconds.prior(), Average(), spec.plain_mode))
 
     def remember(self, memory: Memory, key: str) -> None:
         memory.plain = self.plain_seconds
         memory.spec.pop(key, None)
-        memory.spec[key] = Speculated(self.spec_seconds, self.spec_tokens, self.backoff, self.plain_mode, self.wait)
+        memory.spec[key] = Speculated(self.spec_seconds, self.spec_tokens, self.plain_mode)
         while len(memory.spec) > MAX_CONFIGS:  # requests' overrides make configs: forget the least recent
             memory.spec.pop(next(iter(memory.spec)))
