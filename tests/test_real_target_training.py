@@ -23,13 +23,18 @@ def test_responses_are_the_targets_greedy_output_with_its_features(micro_family,
     data = responses.load_split(out, "train")
     target = load_causal_lm(micro_family / "target")
     with torch.no_grad():
-        for tokens, feats, p in list(zip(data.tokens, data.features, data.prompt_lens))[:3]:
+        # 8 prompts on 3 slots (micro preset): slots are refilled while the other rows decode, so
+        # the sequences check continuously batched rows against PyTorch.
+        labels = responses.next_token_labels(data)
+        for tokens, feats, p, label in zip(data.tokens, data.features, data.prompt_lens, labels):
             assert feats.shape == (len(tokens) - 1, target.config.hidden_size)
             hidden = target.model(input_ids=tokens[None]).last_hidden_state[0, :-1]
-            # bf16 body: features close to float32's, and each new token the float32 argmax
-            # except at near-ties (none expected in 24 tokens of this peaked model).
-            assert torch.allclose(feats.float(), hidden, atol=0.1 * hidden.abs().max().item())
-            assert torch.equal(target.lm_head(hidden[p - 1 :]).argmax(-1), tokens[p:])
+            # float32 ONNX Runtime features stored in bfloat16 (8 mantissa bits); each new token and
+            # each label (over the prompt too) PyTorch's float32 argmax (no near-ties expected in
+            # 24 tokens of this peaked model).
+            assert torch.allclose(feats.float(), hidden, rtol=1e-2, atol=1e-2 * hidden.abs().max().item())
+            argmax = target.lm_head(hidden).argmax(-1)
+            assert torch.equal(argmax[p - 1 :], tokens[p:]) and torch.equal(argmax, label)
     again = responses.build_responses(micro_family / "target", out, responses.PRESETS["micro"], lambda m: None)
     assert again == meta  # cached
 

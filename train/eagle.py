@@ -42,7 +42,7 @@ from .distill import (
     train_for_family,
     write_result,
 )
-from .loop import fit, with_steps
+from .loop import fit, native_precision, with_steps
 from .responses import data_hash, labelled_windows, response_tokens
 
 Progress = Callable[[str], None]
@@ -93,7 +93,7 @@ PRESETS = {
     "default": EagleTrainSpec(steps=600, batch=8, lr=2e-3, intermediate=384, data_windows=240, gen_prompts=128,
                               gen_tokens=112, bf16=True),
     # A real target's responses (--data), over a draft vocabulary.
-    "real": EagleTrainSpec(steps=400, batch=8, lr=2e-3, intermediate=768, bf16=True, train_vocab=8192),
+    "real": EagleTrainSpec(steps=250, batch=8, lr=2e-3, intermediate=768, bf16=True, train_vocab=4096),
     "real-long": EagleTrainSpec(steps=2000, batch=8, lr=2e-3, warmup=50, intermediate=768, bf16=True,
                                 train_vocab=8192),
 }
@@ -205,7 +205,7 @@ def _corpus_data(target, target_dir: Path, spec: EagleTrainSpec, progress: Progr
 
 def _responses_data(target, data_dir: Path, spec: EagleTrainSpec, progress: Progress, t0: float):
     """The same (with the target's next-token labels) from its responses in `data_dir` (train.responses)."""
-    responses, train, heldout = labelled_windows(data_dir, target.lm_head.weight, spec.window)
+    responses, train, heldout = labelled_windows(data_dir, spec.window)
     progress(f"[eagle] {responses.positions:,} positions of the target's responses in {len(train[0])} "
              f"windows ({time.perf_counter() - t0:.1f}s)")
     return train, {"heldout_responses": heldout}, response_tokens(responses)
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give either --family DIR or both --target and --out")
     if args.family is not None:
         return finish(lambda: build_eagle_head(args.family, args.preset, say), "accuracy")
-    spec = PRESETS[args.preset]
+    spec = native_precision(PRESETS[args.preset])
     if args.steps is not None:
         if args.steps < 1:
             p.error("--steps must be >= 1")

@@ -9,8 +9,11 @@ from the train split of the standard library, raw text as the bench's code promp
 One batched pass yields everything the trainers need: the tokens, and at every
 position the target's final hidden state (after its final norm; the Medusa/EAGLE
 features, and through the tied or separate LM head the teacher's logits for a draft
-model). Generation keeps the KV cache, feeds one token per row per step, and drops
-finished rows from the batch, so a step costs what the live rows cost.
+model). It runs on our own runtime: the target's batched ONNX graph (the one
+`specdeploy export` writes for continuous batching), built into a scratch dir, with
+rows continuously batched (`generate_with_features`). On SmolLM2 and a 2-core AVX2 CPU
+a row costs 3.2 ms a token at 64 rows, against 6.0 in PyTorch float32 and 17 in
+PyTorch bfloat16 (which such a CPU emulates); and its greedy tokens are the export's.
 
 Sequences of `n` tokens carry features for their first `n - 1` positions:
 feature i is the target's state after token i, predicting token i + 1.
@@ -26,6 +29,7 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,18 +37,22 @@ from typing import Callable
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see Makefile: spinning OpenMP waits fight on shared cores
 
+import numpy as np
+import onnx
 import torch
-import torch.nn.functional as F
 
 from ..export.hf_loading import load_causal_lm, read_hf_config
+from ..runtime.batching.graph import EXTRA_ROWS, BatchedGraph, Run
+from ..runtime.batching.kv_slots import SlotKV
 from ..runtime.chat_template import ChatTemplate, chat_messages
 from ..runtime.errors import SpecDeployError
+from ..runtime.graph_contract import TARGET, KVGeometry, ModelRecord
 from . import chat_prompts, corpus
 from .cli_finish import finish, say
 from .distill import spec_hash, target_fingerprint, target_tokenizer
 
 Progress = Callable[[str], None]
-DATA_FORMAT = 1  # bump when the recipe changes in a way the spec hash cannot see
+DATA_FORMAT = 3  # bump when the recipe changes in a way the spec hash cannot see
 SPLIT_FILES = {"train": "train.pt", "heldout": "heldout.pt"}
 META_FILE = "responses.json"
 
@@ -57,9 +65,9 @@ class ResponsesSpec:
     code_tokens: int  # new tokens per code continuation
     heldout_chat: int
     heldout_code: int
-    # rows per decode step (measured, bf16 on 2 cores: 5.4 ms CPU per token at 16 rows, 3.4 at 64 and 128)
+    # rows a call decodes (SmolLM2 float32 on 2 cores, the batched graph: 4.9 ms a row at 16 rows,
+    # 3.2 at 64; PyTorch took 6.0 in float32 and 17 in bfloat16 on this AVX2 CPU)
     batch: int = 64
-    bf16: bool = True  # bf16 body, float32 LM head (argmax over bf16 logits would tie often)
     seed: int = 0
 
     def config_hash(self) -> str:
@@ -68,9 +76,11 @@ class ResponsesSpec:
 
 PRESETS = {
     "micro": ResponsesSpec(chat_prompts=8, code_prompts=8, chat_tokens=24, code_tokens=24, heldout_chat=4,
-                           heldout_code=4, batch=8),
-    "default": ResponsesSpec(chat_prompts=320, code_prompts=96, chat_tokens=192, code_tokens=128, heldout_chat=24,
-                             heldout_code=16),
+                           heldout_code=4, batch=3),  # fewer slots than prompts: rows refill
+    # Sized for `make export`'s 15 minutes on 2 cores: ~7.4 ms of CPU a position (SmolLM2, 64 rows),
+    # so ~45k train positions take ~3 minutes. The heldout split only scores the trainers.
+    "default": ResponsesSpec(chat_prompts=192, code_prompts=64, chat_tokens=160, code_tokens=128, heldout_chat=16,
+                             heldout_code=8),
     "long": ResponsesSpec(chat_prompts=1024, code_prompts=320, chat_tokens=256, code_tokens=128, heldout_chat=24,
                           heldout_code=16),
 }
@@ -81,12 +91,14 @@ PRESETS = {
 
 @dataclass
 class Responses:
-    """Sequences of one split: tokens [n_i] and the target's features [n_i - 1, H] (bfloat16)."""
+    """Sequences of one split: tokens [n_i], the target's features [n_i - 1, H] (bfloat16) and its
+    argmax after each prompt token but the last [p_i - 1] (after the last: the first new token)."""
 
     tokens: list[torch.Tensor]
     features: list[torch.Tensor]
     prompt_lens: list[int]
     kinds: list[str]  # "chat" | "code"
+    prompt_labels: list[torch.Tensor]
 
     @property
     def positions(self) -> int:
@@ -95,26 +107,27 @@ class Responses:
     def save(self, path: Path) -> None:
         lengths = torch.tensor([len(t) for t in self.tokens])
         torch.save({"tokens": torch.cat(self.tokens), "features": torch.cat(self.features), "lengths": lengths,
-                    "prompt_lens": torch.tensor(self.prompt_lens), "kinds": self.kinds}, path)
+                    "prompt_lens": torch.tensor(self.prompt_lens), "kinds": self.kinds,
+                    "prompt_labels": torch.cat(self.prompt_labels)}, path)
 
     @classmethod
     def load(cls, path: Path) -> "Responses":
         blob = torch.load(path, weights_only=True)
         lengths = blob["lengths"].tolist()
+        prompt_lens = blob["prompt_lens"].tolist()
         tokens = list(torch.split(blob["tokens"], lengths))
         features = list(torch.split(blob["features"], [n - 1 for n in lengths]))
-        return cls(tokens, features, blob["prompt_lens"].tolist(), list(blob["kinds"]))
+        labels = list(torch.split(blob["prompt_labels"], [p - 1 for p in prompt_lens]))
+        return cls(tokens, features, prompt_lens, list(blob["kinds"]), labels)
 
 
-@torch.no_grad()
-def next_token_labels(data: Responses, lm_head_weight: torch.Tensor) -> list[torch.Tensor]:
+def next_token_labels(data: Responses) -> list[torch.Tensor]:
     """Per sequence, the target's argmax after each featured position [n_i - 1]: the next token itself
-    in the response (generated greedily), the LM head's argmax over the prompt (which is not its output)."""
+    in the response (generated greedily), the argmax recorded over the prompt (which is not its output)."""
     out = []
-    for tokens, feats, p in zip(data.tokens, data.features, data.prompt_lens):
+    for tokens, p, prompt in zip(data.tokens, data.prompt_lens, data.prompt_labels):
         labels = tokens[1:].clone()
-        if p > 1:
-            labels[: p - 1] = F.linear(feats[: p - 1].float(), lm_head_weight.float()).argmax(-1)
+        labels[: p - 1] = prompt
         out.append(labels)
     return out
 
@@ -154,11 +167,11 @@ def load_split(data_dir: Path, split: str) -> Responses:
     return Responses.load(path)
 
 
-def labelled_windows(data_dir: Path, lm_head_weight: torch.Tensor, length: int):
+def labelled_windows(data_dir: Path, length: int):
     """The train split of the target's responses in `data_dir`, then the train and the held-out
     split's `windows` of `length` positions, labelled with the target's next tokens."""
     split = {name: load_split(data_dir, name) for name in ("train", "heldout")}
-    train, heldout = (windows(split[name], next_token_labels(split[name], lm_head_weight), length)
+    train, heldout = (windows(split[name], next_token_labels(split[name]), length)
                       for name in ("train", "heldout"))
     return split["train"], train, heldout
 
@@ -191,81 +204,90 @@ def prompt_ids(target_dir: Path, tok, spec: ResponsesSpec, split: str) -> list[t
 # ---------------------------------------------------------------- generation
 
 
-class GreedyHead:
-    """The target's argmax over its LM head, as float32 would pick it, at bf16 cost.
+@dataclass
+class _Row:
+    """A prompt being answered in one slot of the batch."""
 
-    Logits rounded to bf16 (8 mantissa bits) tie often, and a float32 LM head over
-    49k tokens costs a third of a decode step; so bf16 logits shortlist `shortlist`
-    tokens and float32 dot products pick among them.
+    index: int  # into the prompts
+    tokens: list[int]  # prompt + new tokens so far
+    features: list[np.ndarray]  # [k, H] blocks: the target's state after each token but the last
+    prompt_labels: np.ndarray | None = None  # its argmax after each prompt token but the last
+    new: int = 0
+
+
+def generate_with_features(graph: BatchedGraph, kv: SlotKV, prompts: list[list[int]], max_new: list[int],
+                           stops: list[set[int]], progress: Progress) -> list[tuple[torch.Tensor, ...]]:
+    """Greedy responses (prompt i + up to `max_new[i]` new tokens, cut after its first `stops[i]` token),
+    their features and the argmax after each prompt token but the last, continuously batched on
+    the target's batched graph (runtime/batching/graph.py): each of `kv`'s slots answers one
+    prompt at a time, every decoding row one token per call, and a finished row's slot takes the
+    next prompt, prefilled as a run of the next call (at most `graph.runs` a call) beside the
+    rows still decoding. The batch stays full to the end of the
+    queue, and every linear layer reads its weights once per call for all the rows in it.
+
+    The graph computes each row as the batch-1 graph does: the greedy tokens are the export's own.
     """
+    results: list[tuple[torch.Tensor, ...] | None] = [None] * len(prompts)
+    queue = deque(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))
+    rows: dict[int, _Row] = {}  # slot -> its row
+    free = list(range(kv.slots))[::-1]  # low slots first: the decode part's slot range stays short
+    t0, made, finished = time.perf_counter(), 0, 0
+    while queue or rows:
+        runs, admitted = [], []
+        while queue and free and len(runs) < graph.runs:
+            slot, i = free.pop(), queue.popleft()
+            ids = np.asarray(prompts[i], np.int64)
+            n = len(ids)
+            # every prompt token scored: the trainers' labels over the prompt are the target's argmax
+            runs.append(Run(ids, np.arange(n), np.tril(np.ones((n, n), bool)), 0, kv.views(slot, slot + 1)))
+            admitted.append(slot)
+            rows[slot] = _Row(i, list(prompts[i]), [])
+        decoding = sorted(s for s in rows if s not in admitted)
+        hi = decoding[-1] + 1 if decoding else 0
+        # Slots in the decode range that take no part (free, or prefilling in a run) write a trash row.
+        decode = [(rows[s].tokens[-1], len(rows[s].tokens) - 1, len(rows[s].tokens) - 1)
+                  if s in decoding else kv.trash for s in range(hi)]
+        logits, hidden = graph.run(decode, kv.views(0, hi) if hi else None, runs)
+        picks = logits.argmax(-1)  # [N]: every token of the call scored
+        at = 0
+        for slot in decoding + admitted:
+            row = rows[slot]
+            width = 1 if slot in decoding else len(row.tokens)
+            row.features.append(hidden[at : at + width])
+            if slot not in decoding:
+                row.prompt_labels = picks[at : at + width - 1]
+            pick = picks[at + width - 1]
+            at += width
+            row.tokens.append(int(pick))
+            row.new += 1
+            if row.new >= max_new[row.index] or int(pick) in stops[row.index]:
+                # The last token's feature is never computed (nothing reads past it).
+                results[row.index] = (torch.tensor(row.tokens),
+                                      torch.from_numpy(np.concatenate(row.features)).to(torch.bfloat16),
+                                      torch.from_numpy(row.prompt_labels))
+                made, finished = made + len(row.tokens), finished + 1
+                del rows[slot]
+                free.append(slot)
+                if finished % 64 == 0 or finished == len(prompts):
+                    progress(f"[responses] {finished}/{len(prompts)} sequences, {made:,} tokens "
+                             f"({time.perf_counter() - t0:.0f}s)")
+        free.sort(reverse=True)
+    return results  # type: ignore[return-value]
 
-    def __init__(self, lm_head: torch.nn.Linear, shortlist: int = 8):
-        self.weight = lm_head.weight.detach().float().clone()
-        self.weight_bf16 = self.weight.to(torch.bfloat16)
-        self.shortlist = shortlist
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, H] -> [B] token ids."""
-        cand = (hidden.to(torch.bfloat16) @ self.weight_bf16.T).topk(self.shortlist, -1).indices
-        exact = torch.einsum("bh,bkh->bk", hidden.float(), self.weight[cand])
-        return cand.gather(-1, exact.argmax(-1, keepdim=True)).squeeze(-1)
+def build_graph(target_dir: Path, out_dir: Path, max_context: int) -> Path:
+    """The target's batched graph (export/fused_graph.py, as `specdeploy export` writes it) in
+    `out_dir`, positions up to `max_context`; returns its path."""
+    from ..export.fused_graph import build_fused_decoder
+    from ..export.onnx_writer import SharedWeights
 
-
-@torch.no_grad()
-def generate_with_features(body, head: GreedyHead, prompts: list[list[int]], max_new: int, eos_ids: set[int],
-                           batch: int, progress: Progress) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Greedy responses (prompt + new tokens, cut after the first `eos_ids` token) and their features.
-
-    `body` is the target's decoder stack (`model.model`, in the dtype to run it in), `head` its LM head.
-    """
-    from transformers import DynamicCache
-
-    eos = torch.tensor(sorted(eos_ids)) if eos_ids else torch.tensor([], dtype=torch.int64)
-    results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad little
-    t0 = time.perf_counter()
-    for first in range(0, len(order), batch):
-        rows = order[first : first + batch]
-        width = max(len(prompts[r]) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        mask = torch.zeros(len(rows), width, dtype=torch.int64)
-        for j, r in enumerate(rows):  # left padding: every row's next token lands in the last column
-            ids[j, width - len(prompts[r]) :] = torch.tensor(prompts[r])
-            mask[j, width - len(prompts[r]) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                      use_cache=True).last_hidden_state.float()
-        feats = {r: [hidden[j, width - len(prompts[r]) :]] for j, r in enumerate(rows)}
-        new = {r: [] for r in rows}
-        live = torch.arange(len(rows))  # current batch row -> index into rows
-        last_pos = positions[:, -1:]
-        for step in range(max_new):
-            nxt = head(hidden[:, -1])
-            for j, r in enumerate(live.tolist()):
-                new[rows[r]].append(int(nxt[j]))
-            done = torch.isin(nxt, eos) if step + 1 < max_new else torch.ones_like(nxt, dtype=torch.bool)
-            if done.all():
-                break
-            if done.any():  # drop finished rows: later steps cost what the live rows cost
-                keep = (~done).nonzero().flatten()
-                cache.batch_select_indices(keep)
-                live, nxt, mask, last_pos = live[keep], nxt[keep], mask[keep], last_pos[keep]
-            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], 1)
-            last_pos = last_pos + 1
-            hidden = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos,
-                          past_key_values=cache, use_cache=True).last_hidden_state.float()
-            for j, r in enumerate(live.tolist()):
-                feats[rows[r]].append(hidden[j])
-        for r in rows:
-            tokens = torch.tensor(prompts[r] + new[r])
-            # Feature of the last token is never computed (nothing reads past it).
-            results[r] = (tokens, torch.cat([f.reshape(-1, f.shape[-1]) for f in feats[r]]).to(torch.bfloat16))
-        done_n = min(first + batch, len(order))
-        made = sum(len(results[r][0]) for r in order[:done_n])
-        progress(f"[responses] {done_n}/{len(prompts)} sequences, {made:,} tokens "
-                 f"({time.perf_counter() - t0:.0f}s)")
-    return results
+    causal_lm = load_causal_lm(target_dir, "float32")
+    model = build_fused_decoder(causal_lm, 1, max_context + EXTRA_ROWS, batched=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "target_batched.onnx"
+    SharedWeights(out_dir, "target_batched.weights").externalize(model, path)
+    onnx.save(model, str(path))
+    return path
 
 
 # ---------------------------------------------------------------- build
@@ -284,7 +306,8 @@ def _json_or_empty(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progress: Progress = print) -> dict:
+def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progress: Progress = print,
+                    threads: int = 2) -> dict:
     """Generate (or reuse) both splits' responses for the target in `target_dir`; returns responses.json."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     target_hash = target_fingerprint(target_dir)
@@ -295,28 +318,30 @@ def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progre
             progress(f"[responses] reusing {out_dir} ({meta['train']['positions']:,} train positions)")
             return meta
     t0 = time.perf_counter()
-    torch.manual_seed(spec.seed)
     cfg = read_hf_config(target_dir)
     tok = target_tokenizer(target_dir)
-    target = load_causal_lm(target_dir, "float32")
-    head = GreedyHead(target.lm_head)
-    body = target.model.to(torch.bfloat16) if spec.bf16 else target.model
     eos = eos_token_ids(target_dir, cfg)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    splits = {split: prompt_ids(target_dir, tok, spec, split) for split in ("heldout", "train")}
+    longest = max(len(ids) for prompts in splits.values() for _, ids in prompts)
+    graph_path = build_graph(target_dir, tmp / "graph", longest + max(spec.chat_tokens, spec.code_tokens))
+    progress(f"[responses] batched target graph built ({time.perf_counter() - t0:.0f}s)")
+    graph = BatchedGraph(graph_path, threads)
+    record = ModelRecord.from_geometry(TARGET, KVGeometry.from_config(cfg), int(cfg["hidden_size"]),
+                                       int(cfg["vocab_size"]))
+    kv = SlotKV(record, spec.batch, longest + max(spec.chat_tokens, spec.code_tokens))
     meta = {"data_hash": spec.config_hash(), "target_hash": target_hash, "spec": asdict(spec)}
-    for split in ("heldout", "train"):
-        prompts = prompt_ids(target_dir, tok, spec, split)
-        seqs = []
-        for kind, max_new in (("chat", spec.chat_tokens), ("code", spec.code_tokens)):
-            mine = [ids for k, ids in prompts if k == kind]
-            if not mine:
-                continue
-            made = generate_with_features(body, head, mine, max_new, eos if kind == "chat" else set(), spec.batch,
-                                          progress)
-            seqs += [(kind, len(ids), t, f) for ids, (t, f) in zip(mine, made)]
-        data = Responses([s[2] for s in seqs], [s[3] for s in seqs], [s[1] for s in seqs], [s[0] for s in seqs])
+    # Both splits' prompts in one pass: the batch stays full until the last few rows of all of them.
+    prompts = [(split, kind, ids) for split, of_split in splits.items() for kind, ids in of_split]
+    limits = {"chat": (spec.chat_tokens, eos), "code": (spec.code_tokens, set())}  # code runs past EOS
+    made = generate_with_features(graph, kv, [ids for _, _, ids in prompts], [limits[k][0] for _, k, _ in prompts],
+                                  [limits[k][1] for _, k, _ in prompts], progress)
+    for split in splits:
+        seqs = [(kind, len(ids), *outputs) for (where, kind, ids), outputs in zip(prompts, made) if where == split]
+        data = Responses([s[2] for s in seqs], [s[3] for s in seqs], [s[1] for s in seqs], [s[0] for s in seqs],
+                         [s[4] for s in seqs])
         data.save(tmp / SPLIT_FILES[split])
         meta[split] = {"sequences": len(seqs), "positions": data.positions,
                        "response_tokens": sum(len(t) - p for t, p in zip(data.tokens, data.prompt_lens)),
@@ -338,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    return finish(lambda: build_responses(args.target, args.out, PRESETS[args.preset], say), "train", "heldout")
+    return finish(lambda: build_responses(args.target, args.out, PRESETS[args.preset], say, args.threads),
+                  "train", "heldout")
 
 
 if __name__ == "__main__":

@@ -118,17 +118,21 @@ class Run:
 
 
 class BatchedGraph:
-    def __init__(self, manifest: Manifest, threads: int | None = None):
+    def __init__(self, source: Manifest | Path, threads: int | None = None):
+        """The batched graph of an export (its manifest), or the graph file at a path (one built
+        outside an export: train/responses.py generates a target's training data with it)."""
         import onnxruntime as ort
 
         self._ort = ort
-        self.session = open_session(batched_graph_path(manifest), "ort-cpu", threads)
+        path = Path(source) if isinstance(source, (str, Path)) else batched_graph_path(source)
+        self.session = open_session(path, "ort-cpu", threads)
         inputs = {i.name: i.shape for i in self.session.get_inputs()}
         outputs = {o.name: o.shape for o in self.session.get_outputs()}
         if CONTEXT_ROWS not in inputs:
-            raise SpecDeployError(f"{manifest.root} holds a batched target graph from an older specdeploy (a "
+            root = path.parent
+            raise SpecDeployError(f"{root} holds a batched target graph from an older specdeploy (a "
                                   "placeholder token per unused part of a call): replace it with "
-                                  f"`python -m specdeploy.export.batched_graph {manifest.root}`")
+                                  f"`python -m specdeploy.export.batched_graph {root}`")
         self.vocab, self.hidden = int(outputs[LOGITS][2]), int(outputs[HIDDEN][2])
         self.runs = int(inputs[SEGMENTS][0])
         self.picks_logits = LOGIT_TOKENS in inputs  # else every token's logits (an older export)
