@@ -244,9 +244,11 @@ def generate_with_features(graph: BatchedGraph, kv: SlotKV, prompts: list[list[i
             rows[slot] = _Row(i, list(prompts[i]), [])
         decoding = sorted(s for s in rows if s not in admitted)
         hi = decoding[-1] + 1 if decoding else 0
-        # Slots in the decode range that take no part (free, or prefilling in a run) write a trash row.
-        decode = [(rows[s].tokens[-1], len(rows[s].tokens) - 1, len(rows[s].tokens) - 1)
-                  if s in decoding else kv.trash for s in range(hi)]
+        # Slots in the decode range that take no part write one row where it costs least and harms
+        # nothing: a slot prefilling in a run just past its prompt (its first decode step overwrites
+        # it), a free slot at 0. Their attention reads that many rows (the trash row would read all).
+        decode = [(rows[s].tokens[-1], len(rows[s].tokens) - 1, len(rows[s].tokens) - 1) if s in decoding
+                  else len(rows[s].tokens) if s in rows else 0 for s in range(hi)]
         logits, hidden = graph.run(decode, kv.views(0, hi) if hi else None, runs)
         picks = logits.argmax(-1)  # [N]: every token of the call scored
         at = 0
