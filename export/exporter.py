@@ -76,6 +76,9 @@ def special_tokens(target_dir: Path, cfg: dict) -> dict:
     return {"bos_token_id": cfg.get("bos_token_id"), "eos_token_ids": eos_ids, "pad_token_id": cfg.get("pad_token_id")}
 
 
+SAMPLE_TOKENS, SAMPLE_PAST = 3, 3  # the call the portable graphs are traced with
+
+
 class DecoderExporter:
     """Exports one model's decoder at several static token counts, weights shared.
 
@@ -107,19 +110,25 @@ class DecoderExporter:
         self.fused_weights = SharedWeights(out, weights_file(name, FUSED)) if self.fused else None
         # the call whose reference the batched graph (export/batched_graph.py) shares, if it is written
         self.batched_tokens = batched_tokens if self.fused else None
+        self.traced: Path | None = None  # the portable graph traced for the first T
+        self.fused_built: Path | None = None  # and its fused twin
 
     def export(self, tokens: int) -> dict[str, GraphRecord]:
         """The portable graph for `tokens` (and its fused twin), each with its PyTorch reference."""
         graph = decoder_graph_name(self.name, tokens)
         start = time.perf_counter()
-        sample_past = 3  # a non-trivial past so the tracer keeps its length dynamic
         geometry = self.record.to_json()  # what decoder_feeds reads: num_layers, num_kv_heads, head_dim
         vocab = self.record.vocab_size
-        feeds = decoder_feeds(tokens, sample_past, geometry, vocab, self.dtype, seed=tokens)
-        args = [torch.from_numpy(feeds[n]) for n in self.inputs]
         dynamic = decoder_dynamic_axes(self.inputs, self.outputs)  # T too: one graph content for every T
-        export_module(self.wrapper, args, self.out / graph_file(graph), self.inputs, self.outputs, dynamic,
-                      self.weights)
+        path = self.out / graph_file(graph)
+        if self.traced is None:
+            # A non-trivial past and T (not 1, which a tracer may specialize) keep both dynamic.
+            feeds = decoder_feeds(SAMPLE_TOKENS, SAMPLE_PAST, geometry, vocab, self.dtype, seed=SAMPLE_TOKENS)
+            args = [torch.from_numpy(feeds[n]) for n in self.inputs]
+            export_module(self.wrapper, args, path, self.inputs, self.outputs, dynamic, self.weights)
+            self.traced = path
+        else:  # the same graph for this T: copied, not traced again (~15 s a graph on SmolLM2), then
+            shutil.copyfile(self.traced, path)  # checked against this T's own reference like every graph
         ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), geometry, vocab, self.dtype,
                                   seed=1000 + tokens)
         ref_outputs = torch_reference(self.wrapper, ref_feeds, self.inputs, self.outputs)
@@ -138,8 +147,11 @@ class DecoderExporter:
 
     def _export_fused(self, tokens: int, ref_feeds: dict, ref_outputs) -> GraphRecord:
         graph = decoder_graph_name(self.name, tokens, FUSED)
-        model = build_fused_decoder(self.model, tokens, self.max_context, self.feature_layers)
-        write_fused(model, self.out, graph, self.fused_weights, ref_feeds, ref_outputs, tokens)
+        # The same file for every T (build_fused_decoder): built once, then copied.
+        model = None if self.fused_built else build_fused_decoder(self.model, tokens, self.max_context,
+                                                                  self.feature_layers)
+        write_fused(model, self.out, graph, self.fused_weights, ref_feeds, ref_outputs, tokens, self.fused_built)
+        self.fused_built = self.fused_built or self.out / graph_file(graph)
         self.progress(f"  wrote {graph_file(graph)} (ORT fused ops, KV in place)")
         return GraphRecord.new(graph, self.name, DECODER, tokens, flavor=FUSED)
 

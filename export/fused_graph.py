@@ -30,6 +30,7 @@ of the portable wrapper checks it (export/check.py).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -510,15 +511,20 @@ def build_batched_decoder(causal_lm, max_positions: int, runs: int = RUNS) -> on
     return b.model("fused_decoder", inputs, outputs, shape.kv_heads, shape.head_dim, io)
 
 
-def write_fused(model: onnx.ModelProto, out_dir: Path, name: str, weights, portable_feeds: dict,
-                portable_outputs: dict, tokens: int) -> None:
+def write_fused(model: onnx.ModelProto | None, out_dir: Path, name: str, weights, portable_feeds: dict,
+                portable_outputs: dict, tokens: int, same_as: Path | None = None) -> None:
     """Write a fused graph (weights into the shared file) and its polygraphy reference, derived
-    from the portable graph's PyTorch reference for the same call."""
+    from the portable graph's PyTorch reference for the same call. `model` None: the graph is the
+    file `same_as` already written in `out_dir` (its T is dynamic), copied."""
     from .reference import save_reference
 
     path = out_dir / graph_file(name)
-    weights.externalize(model, path)
-    onnx.save(model, str(path))
+    if model is None:
+        assert same_as is not None
+        shutil.copyfile(same_as, path)
+    else:
+        weights.externalize(model, path)
+        onnx.save(model, str(path))
     feeds = fused_feeds(portable_feeds, tokens)
     save_reference(out_dir, name, feeds, portable_outputs.map(lambda outs: fused_reference(feeds, outs, tokens)))
 
