@@ -131,11 +131,7 @@ check: setup
 	$(SPEC) check $(EXPORT_DIR)
 
 demo: setup
-	@for m in $$($(VPY) -c "import json; print(' '.join(json.load(open('$(EXPORT_DIR)/manifest.json'))['methods']))"); do \
-	  printf '%-14s ' "$$m"; \
-	  $(SPEC) generate $(EXPORT_DIR) --method $$m $(DEMO_INPUT) --max-new-tokens 64 --ignore-eos --json \
-	    | tail -n 1 | $(VPY) -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"acceptance length {s['acceptance_length']:.2f}  {s['tokens_per_s']:.1f} tokens/s\")"; \
-	done
+	$(SPEC) demo $(EXPORT_DIR) $(DEMO_INPUT) --max-new-tokens 64
 
 # Unit tests (tests/unit): pure Python and numpy on synthetic inputs, no model build, no export, no
 # torch (tests/unit/conftest.py enforces it). Integration tests (the rest of tests/) build the micro

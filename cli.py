@@ -84,6 +84,45 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    """Every method of the export (or --methods) on one prompt, greedy, in one process: the export
+    is loaded once (a process per method spent most of `make export`'s demo starting up)."""
+    from .bench.worker import suffix_caches
+    from .runtime.backends import use_shared_threads
+    from .runtime.generate import Generation
+    from .runtime.loaded_export import LoadedExport
+    from .runtime.sampling import SamplingParams
+
+    if args.system is not None and args.chat is None:
+        raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
+    use_shared_threads(args.threads)
+    export = LoadedExport(args.out)
+    ids = _chat_ids(export, args.chat, args.system) if args.chat is not None else export.tokenizer.encode(args.prompt)
+    methods = args.methods.split(",") if args.methods else list(export.manifest.methods)
+    methods = ["ar"] + [m for m in methods if m != "ar"]  # the reference every method must match
+
+    def run(method: str, tokens: int):
+        # each method drafts from its own request only: no earlier method's answer in suffix's cache
+        for cache in suffix_caches(export, export.method_config(method)):
+            cache.clear()
+        return Generation(export, ids, method=method, params=SamplingParams(0.0), max_new_tokens=tokens,
+                          ignore_eos=True, adaptive=args.adaptive).result()
+
+    reference, differ = None, []
+    for method in methods:
+        run(method, 4)  # opens the method's graphs: their first calls are not what it costs
+        result = run(method, args.max_new_tokens)
+        reference = reference or result.token_ids
+        same = result.token_ids == reference
+        differ += [] if same else [method]
+        s = result.stats
+        print(f"{method:<24} acceptance length {s['acceptance_length']:.2f}  {s['tokens_per_s']:6.1f} tokens/s  "
+              f"{'same tokens as ar' if same else 'DIFFERS FROM ar'}", flush=True)
+    if differ:
+        raise SpecDeployError(f"greedy output differs from ar's: {', '.join(differ)}")
+    return 0
+
+
 def _chat_ids(export, user: str, system: str | None) -> list[int]:
     """A one-turn chat through the export's chat template (the renderer the server uses)."""
     from .runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
@@ -238,6 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder graphs on ort-cpu: fused (default where exported) or portable")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="every method of an export on one prompt (greedy, one process): acceptance "
+                       "length, tokens/s, and whether its tokens are ar's")
+    d.add_argument("out", type=Path, help="export directory")
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--chat", metavar="TEXT", help="a user message, rendered with the tokenizer's chat template")
+    d.add_argument("--system", metavar="TEXT", help="a system message before --chat")
+    d.add_argument("--methods", help="comma list (default: every method of the export)")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
+                   help="speculate at every step (default: the export's adaptive policy)")
+    d.add_argument("--threads", type=int, help="ONNX Runtime threads (default: the physical cores)")
+    d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("check", help="polygraphy: every graph's ONNX Runtime outputs vs PyTorch float64, "
                                      "bounded by PyTorch's own error in the export dtype")

@@ -110,3 +110,24 @@ def test_manifest_records_shapes_vocab_and_checksums(micro_export):
         flavors[g["model"], g.get("flavor", "portable")].add(g["tokens"])
     assert flavors["target", "fused"] == flavors["target", "portable"]
     assert flavors["draft", "fused"] == flavors["draft", "portable"]
+
+
+def test_demo_runs_every_method_in_one_process_with_ar_tokens(micro_export):
+    """`specdeploy demo` (make export's demo): each of the export's methods, a line each, its greedy
+    tokens compared with ar's; suffix's cross-request cache emptied between methods, so no method
+    drafts an earlier method's answer."""
+    from specdeploy.runtime.manifest import load_manifest
+
+    methods = list(load_manifest(micro_export).methods)
+    proc = run_cli("demo", micro_export, "--prompt", "def f(x):\n    return", "--max-new-tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["ar"] + [m for m in methods if m != "ar"]
+    assert all(line.endswith("same tokens as ar") for line in lines), lines
+    # the same method twice: the second run drafts as the first did, not from the first's answer
+    twice = run_cli("demo", micro_export, "--prompt", "def g(y):\n    return", "--max-new-tokens", "24",
+                    "--methods", "suffix,suffix")
+    acceptance = [re.search(r"acceptance length ([\d.]+)", line).group(1) for line in twice.stdout.splitlines()]
+    assert len(acceptance) == 3 and acceptance[1] == acceptance[2], twice.stdout
+    bad = run_cli("demo", micro_export, "--prompt", "x", "--system", "be brief")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --system goes with --chat")
