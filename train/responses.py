@@ -52,7 +52,7 @@ from .cli_finish import finish, say
 from .distill import spec_hash, target_fingerprint, target_tokenizer
 
 Progress = Callable[[str], None]
-DATA_FORMAT = 3  # bump when the recipe changes in a way the spec hash cannot see
+DATA_FORMAT = 4  # bump when the recipe changes in a way the spec hash cannot see
 SPLIT_FILES = {"train": "train.pt", "heldout": "heldout.pt"}
 META_FILE = "responses.json"
 
@@ -196,7 +196,7 @@ def prompt_ids(target_dir: Path, tok, spec: ResponsesSpec, split: str) -> list[t
             # The template's own special tokens are in the text: encode them as such, add nothing.
             out.append(("chat", tok.encode(template.render(chat_messages(user)), add_special_tokens=False).ids))
     if code_n:
-        for text in corpus.function_prompts(split, code_n, seed=spec.seed):
+        for text in corpus.sampled_function_prompts(split, code_n, seed=spec.seed):
             out.append(("code", tok.encode(text, add_special_tokens=False).ids))
     return out
 
