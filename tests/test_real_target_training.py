@@ -20,6 +20,7 @@ def test_responses_are_the_targets_greedy_output_with_its_features(micro_family,
     out, meta = _responses(micro_family, tmp_path)
     # The micro tokenizer has no chat template: code prompts only.
     assert meta["train"]["by_kind"] == {"chat": 0, "code": responses.PRESETS["micro"].code_prompts}
+    assert sorted(p.name for p in out.iterdir()) == ["heldout.pt", "responses.json", "train.pt"]  # no scratch graph
     data = responses.load_split(out, "train")
     target = load_causal_lm(micro_family / "target")
     with torch.no_grad():

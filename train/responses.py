@@ -350,6 +350,7 @@ def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progre
                        "by_kind": {k: sum(1 for s in seqs if s[0] == k) for k in ("chat", "code")}}
         progress(f"[responses] {split}: {len(seqs)} sequences, {data.positions:,} positions "
                  f"({time.perf_counter() - t0:.0f}s)")
+    shutil.rmtree(graph_path.parent)  # scratch (the target's weights again): the data is what is kept
     meta["seconds"] = round(time.perf_counter() - t0, 1)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
