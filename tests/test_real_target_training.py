@@ -6,8 +6,8 @@ from dataclasses import replace
 import torch
 
 from specdeploy.export.hf_loading import load_causal_lm
+from specdeploy.train import distill, eagle, medusa, responses
 from specdeploy.train import draft as draft_mod
-from specdeploy.train import eagle, medusa, responses
 
 
 def _responses(micro_family, tmp_path):
@@ -20,7 +20,9 @@ def test_responses_are_the_targets_greedy_output_with_its_features(micro_family,
     out, meta = _responses(micro_family, tmp_path)
     # The micro tokenizer has no chat template: code prompts only.
     assert meta["train"]["by_kind"] == {"chat": 0, "code": responses.PRESETS["micro"].code_prompts}
-    assert sorted(p.name for p in out.iterdir()) == ["heldout.pt", "responses.json", "train.pt"]  # no scratch graph
+    # no scratch graph, and no free-form split: its requests are chat, and this target has no template
+    assert sorted(p.name for p in out.iterdir()) == ["heldout.pt", "responses.json", "train.pt"]
+    assert "freeform" not in meta
     data = responses.load_split(out, "train")
     target = load_causal_lm(micro_family / "target")
     with torch.no_grad():
@@ -63,3 +65,37 @@ def test_draft_heads_train_on_responses_and_are_cached(micro_family, tmp_path):
     logs = []
     eagle.train_eagle_cached(micro_family / "target", data, tmp_path / "eagle", espec, logs.append)
     assert any("reusing" in line for line in logs)
+
+
+def test_a_chat_target_gets_a_freeform_split_scored_on_its_answers_only(micro_family, tmp_path):
+    """With a chat template the data has a third split, the free-form requests (chat_prompts.FREEFORM),
+    and the trainers' held-out windows are labelled on the answers' positions only: a template's fixed
+    text (learnt by heart) must not lift the score that predicts chat acceptance."""
+    import json
+    import shutil
+
+    from specdeploy.train import chat_prompts
+
+    target = tmp_path / "target"
+    shutil.copytree(micro_family / "target", target)
+    cfg_path = target / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    spec = responses.PRESETS["micro"]
+    out = tmp_path / "responses"
+    meta = responses.build_responses(target, out, spec, lambda m: None)
+    assert meta["freeform"]["sequences"] == spec.freeform_chat == meta["freeform"]["by_kind"]["chat"]
+    assert meta["train"]["by_kind"]["chat"] == spec.chat_prompts
+    freeform = responses.load_split(out, "freeform")
+    tok = distill.target_tokenizer(target)
+    texts = [tok.decode(t[:p].tolist()) for t, p in zip(freeform.tokens, freeform.prompt_lens)]
+    assert [next(r for r in chat_prompts.FREEFORM if r in text) for text in texts] == \
+        chat_prompts.freeform_prompts(spec.freeform_chat)
+    labels = responses.response_labels(freeform)
+    for lab, full, p in zip(labels, responses.next_token_labels(freeform), freeform.prompt_lens):
+        assert (lab[: p - 1] == responses.IGNORE).all() and torch.equal(lab[p - 1 :], full[p - 1 :])
+    _, _, evals = responses.labelled_windows(out, 8)
+    assert sorted(evals) == ["freeform_responses", "heldout_responses"]
+    assert (evals["freeform_responses"][2] == responses.IGNORE).any()

@@ -4,8 +4,11 @@ A chat model's drafters should learn the answers it gives to users, so the train
 text is the target's own responses to prompts like these (`train/responses.py`).
 Prompts are built from templates and topics written here (no download), and split
 train / held-out by a stable hash of the topic: a held-out prompt's topic never
-appears in a training prompt, so held-out acceptance measures generalization, not
-recall.
+appears in a training prompt. Held-out prompts still share the training prompts'
+templates, and the answers' shapes with them, so they flatter a drafter (SmolLM2's
+default EAGLE head: top-1 0.40 there, 0.20 on requests written apart). The
+`freeform` split is such requests: written apart from the templates, the topics and
+the bench's prompts, never trained on; its score is the one that predicts chat.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout")  # template splits; FREEFORM is the third held-out set
 HELDOUT_PER_MILLE = 150  # ~15% of topics
 
 # {t}: a topic. Kept varied in shape (explain, list, compare, write, code) so the
@@ -79,6 +82,41 @@ CODE_TOPICS = (
     "finds the second largest number", "computes the power set size", "validates a sudoku row",
     "implements a simple LRU cache", "measures how long a function takes",
 )
+
+
+# Requests as users type them: none from a template above, none on a training topic, none in
+# bench/prompts. They score the trainers only (`freeform_prompts`).
+FREEFORM = (
+    "How can I stop procrastinating when I work from home?",
+    "What's a good way to explain recursion to a new programmer?",
+    "Can you recommend a simple dinner I can cook in twenty minutes?",
+    "Why do my ears pop during a flight?",
+    "What should I check before buying a used car?",
+    "Why does my bread come out dense and flat?",
+    "What is the best way to prepare for a job interview?",
+    "Tell me about the history of the bicycle.",
+    "My laptop is running slowly. What can I check?",
+    "Write a thank-you note to a neighbour who watered my plants.",
+    "What is the difference between weather and climate?",
+    "Give me a packing list for a beach holiday.",
+    "How do I calculate the area of a circle?",
+    "Explain how a bill becomes a law in simple steps.",
+    "What are some good habits for keeping my code readable?",
+    "I feel nervous before giving a presentation. Any advice?",
+    "Is it better to rent or buy a house?",
+    "How do noise-cancelling headphones work?",
+    "Suggest a name for a small bakery that sells sourdough.",
+    "What does a product manager do all day?",
+    "My tomato plants have yellow leaves. What is wrong?",
+    "Plan a one-day visit to a city I have never seen before.",
+    "How often should I water a cactus?",
+    "Rewrite this sentence to sound more polite: send me the report now.",
+)
+
+
+def freeform_prompts(n: int) -> list[str]:
+    """The first `n` free-form requests (all of them when n exceeds their number)."""
+    return list(FREEFORM[:n])
 
 
 def split_of(topic: str) -> str:

@@ -15,11 +15,12 @@ def say(message: str) -> None:
 
 
 def finish(run: Callable[[], dict], *keys: str) -> int:
-    """Run `run()`; print its result's `keys` (one key: its value) as JSON. Returns the exit code."""
+    """Run `run()`; print its result's `keys` (one key: its value; keys it lacks are left out) as JSON.
+    Returns the exit code."""
     try:
         meta = run()
     except SpecDeployError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(meta[keys[0]] if len(keys) == 1 else {k: meta[k] for k in keys}))
+    print(json.dumps(meta[keys[0]] if len(keys) == 1 else {k: meta[k] for k in keys if k in meta}))
     return 0

@@ -48,7 +48,7 @@ from ..runtime.errors import SpecDeployError
 from .cli_finish import finish, say
 from .distill import VocabSubset, reuse_or_train, run_meta, spec_hash, write_result
 from .loop import fit, native_precision, with_steps
-from .responses import Responses, data_hash, load_split, next_token_labels, response_tokens
+from .responses import Responses, data_hash, heldout_splits, load_split, next_token_labels, response_tokens
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 1  # bump when the recipe changes in a way the spec hash cannot see
@@ -227,17 +227,19 @@ def _distil(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, pr
     torch.manual_seed(spec.seed)
     target = load_causal_lm(target_dir, "float32")
     draft = draft_from_target(target, spec.layers)
-    train, heldout = load_split(data_dir, "train"), load_split(data_dir, "heldout")
+    train, heldout = load_split(data_dir, "train"), heldout_splits(data_dir)
     weight = target.lm_head.weight
-    labels = {"train": next_token_labels(train), "heldout": next_token_labels(heldout)}
+    labels = {"train": next_token_labels(train)}
     subset = VocabSubset.most_frequent(response_tokens(train), weight, spec.train_vocab)
     del target
     progress(f"[draft] layers {list(spec.layers)}: {sum(p.numel() for p in draft.parameters()):,} params; "
              f"{train.positions:,} train positions")
     run = train_draft(draft, train, labels["train"], subset, spec, progress)
-    after = agreement(draft, heldout, labels["heldout"], spec.max_len)
-    progress(f"[draft] held-out top-1 agreement on responses {after['top1_response']:.3f}")
-    meta = run_meta(spec, run, t0, heldout=after)
+    scores = {name: agreement(draft, data, next_token_labels(data), spec.max_len) for name, data in heldout.items()}
+    for name, score in scores.items():
+        progress(f"[draft] held-out top-1 agreement on responses ({name}): {score['top1_response']:.3f}")
+    meta = run_meta(spec, run, t0, heldout=scores["heldout"], **({"freeform": scores["freeform"]}
+                                                                  if "freeform" in scores else {}))
     def save(out: Path) -> None:
         _save(draft, target_dir, out)
         _write_vocab(out, train)
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--steps must be >= 1")
         spec = with_steps(spec, args.steps)
     torch.set_num_threads(args.threads)
-    return finish(lambda: build_draft(args.target, args.data, args.out, spec, say), "heldout")
+    return finish(lambda: build_draft(args.target, args.data, args.out, spec, say), "heldout", "freeform")
 
 
 if __name__ == "__main__":

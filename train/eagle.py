@@ -43,7 +43,7 @@ from .distill import (
     write_result,
 )
 from .loop import fit, native_precision, with_steps
-from .responses import data_hash, labelled_windows, response_tokens
+from .responses import IGNORE, data_hash, labelled_windows, response_tokens
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
@@ -152,7 +152,7 @@ def train_head(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, spec: E
         want = teacher.argmax(-1) if labels is None else labels[idx, 1:]
         if subset is not None and labels is not None:
             want = subset.index[want]
-        hard = F.nll_loss(logq.flatten(0, 1), want.flatten(), ignore_index=-100)
+        hard = F.nll_loss(logq.flatten(0, 1), want.flatten(), ignore_index=IGNORE)
         token_loss = spec.hard_share * hard + (1 - spec.hard_share) * soft
         return feat_loss + spec.token_weight * token_loss, {"feature": feat_loss, "token": token_loss}
 
@@ -172,9 +172,10 @@ def head_accuracy(head: EagleHead, seqs: torch.Tensor, feats: torch.Tensor, top:
     if subset is not None:
         ranked = subset.ids[ranked]
     theirs = head.target_lm_head(feats[:, 1:]).argmax(-1) if labels is None else labels[:, 1:]
-    top1 = (ranked[..., 0] == theirs).float().mean().item()
-    topk = (ranked == theirs[..., None]).any(-1).float().mean().item()
-    return {"positions": theirs.numel(), "top1": round(top1, 4), f"top{top}": round(topk, 4)}
+    scored = theirs != IGNORE  # labelled windows score the responses only
+    top1 = (ranked[..., 0] == theirs)[scored].float().mean().item()
+    topk = (ranked == theirs[..., None]).any(-1)[scored].float().mean().item()
+    return {"positions": int(scored.sum()), "top1": round(top1, 4), f"top{top}": round(topk, 4)}
 
 
 # ---------------------------------------------------------------- build
@@ -205,10 +206,10 @@ def _corpus_data(target, target_dir: Path, spec: EagleTrainSpec, progress: Progr
 
 def _responses_data(target, data_dir: Path, spec: EagleTrainSpec, progress: Progress, t0: float):
     """The same (with the target's next-token labels) from its responses in `data_dir` (train.responses)."""
-    responses, train, heldout = labelled_windows(data_dir, spec.window)
+    responses, train, evals = labelled_windows(data_dir, spec.window)
     progress(f"[eagle] {responses.positions:,} positions of the target's responses in {len(train[0])} "
              f"windows ({time.perf_counter() - t0:.1f}s)")
-    return train, {"heldout_responses": heldout}, response_tokens(responses)
+    return train, evals, response_tokens(responses)
 
 
 def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress: Progress = print,

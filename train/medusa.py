@@ -45,7 +45,7 @@ from .distill import (
     write_result,
 )
 from .loop import fit, native_precision, with_steps
-from .responses import data_hash, labelled_windows, response_tokens
+from .responses import IGNORE, data_hash, labelled_windows, response_tokens
 
 Progress = Callable[[str], None]
 TRAIN_FORMAT = 2  # bump when the recipe changes in a way the spec hash cannot see
@@ -144,7 +144,7 @@ def train_heads(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, 
                 if subset is not None:
                     want = subset.index[want]
                 loss = loss + weights[k] * F.cross_entropy(_head_logits(head, h, subset).float(), want,
-                                                           ignore_index=-100)
+                                                           ignore_index=IGNORE)
         return loss, {}
 
     params = [p for head in heads.heads for p in (head.parameters() if subset is None else head[:-1].parameters())]
@@ -167,7 +167,7 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor
         ranked = logits.topk(min(top, logits.shape[-1]), -1).indices
         if subset is not None:
             ranked = subset.ids[ranked]
-        hit = ranked == want[:, None]
+        hit = (ranked == want[:, None])[want != IGNORE]  # labelled windows score the responses only
         out.append({"head": k, "top1": round(hit[:, 0].float().mean().item(), 4),
                     f"top{top}": round(hit.any(-1).float().mean().item(), 4)})
     return out
@@ -200,10 +200,10 @@ def _corpus_data(target, target_dir: Path, spec: HeadsTrainSpec, progress: Progr
 
 def _responses_data(target, data_dir: Path, spec: HeadsTrainSpec, progress: Progress, t0: float):
     """The same from the target's responses in `data_dir` (train.responses): features computed once."""
-    responses, (_, hidden, labels), (_, eval_hidden, eval_labels) = labelled_windows(data_dir, spec.window)
+    responses, (_, hidden, labels), evals = labelled_windows(data_dir, spec.window)
     progress(f"[medusa] {responses.positions:,} positions of the target's responses in {len(hidden)} windows "
              f"({time.perf_counter() - t0:.1f}s)")
-    return (hidden, labels), {"heldout_responses": (eval_hidden, eval_labels)}, response_tokens(responses)
+    return (hidden, labels), {name: (h, lab) for name, (_, h, lab) in evals.items()}, response_tokens(responses)
 
 
 def train_medusa(target_dir: Path, out_dir: Path, spec: HeadsTrainSpec, progress: Progress = print,

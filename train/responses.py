@@ -52,9 +52,12 @@ from .cli_finish import finish, say
 from .distill import spec_hash, target_fingerprint, target_tokenizer
 
 Progress = Callable[[str], None]
-DATA_FORMAT = 4  # bump when the recipe changes in a way the spec hash cannot see
-SPLIT_FILES = {"train": "train.pt", "heldout": "heldout.pt"}
+DATA_FORMAT = 5  # bump when the recipe changes in a way the spec hash cannot see
+# freeform: chat_prompts.FREEFORM, written apart from the templates; absent without a chat template
+SPLIT_FILES = {"train": "train.pt", "heldout": "heldout.pt", "freeform": "freeform.pt"}
+REQUIRED_SPLITS = ("train", "heldout")
 META_FILE = "responses.json"
+IGNORE = -100  # a label no position is scored on (torch's cross-entropy ignore_index)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class ResponsesSpec:
     code_tokens: int  # new tokens per code continuation
     heldout_chat: int
     heldout_code: int
+    freeform_chat: int  # free-form held-out requests (chat_prompts.FREEFORM), chat models only
     # rows a call decodes (SmolLM2 float32 on 2 cores, the batched graph: 4.9 ms a row at 16 rows,
     # 3.2 at 64; PyTorch took 6.0 in float32 and 17 in bfloat16 on this AVX2 CPU)
     batch: int = 64
@@ -76,13 +80,13 @@ class ResponsesSpec:
 
 PRESETS = {
     "micro": ResponsesSpec(chat_prompts=8, code_prompts=8, chat_tokens=24, code_tokens=24, heldout_chat=4,
-                           heldout_code=4, batch=3),  # fewer slots than prompts: rows refill
+                           heldout_code=4, freeform_chat=2, batch=3),  # fewer slots than prompts: rows refill
     # Sized for `make export`'s 15 minutes on 2 cores: ~7.4 ms of CPU a position (SmolLM2, 64 rows),
     # so ~45k train positions take ~3 minutes. The heldout split only scores the trainers.
     "default": ResponsesSpec(chat_prompts=192, code_prompts=64, chat_tokens=160, code_tokens=128, heldout_chat=16,
-                             heldout_code=8),
+                             heldout_code=8, freeform_chat=16),
     "long": ResponsesSpec(chat_prompts=1024, code_prompts=320, chat_tokens=256, code_tokens=128, heldout_chat=24,
-                          heldout_code=16),
+                          heldout_code=16, freeform_chat=24),
 }
 
 
@@ -132,6 +136,15 @@ def next_token_labels(data: Responses) -> list[torch.Tensor]:
     return out
 
 
+def response_labels(data: Responses) -> list[torch.Tensor]:
+    """`next_token_labels` with the prompt's positions IGNORE: what a drafter is scored on is the
+    target's answer, not its argmax over a prompt (a chat template's fixed system text is learnt by heart)."""
+    out = next_token_labels(data)
+    for labels, p in zip(out, data.prompt_lens):
+        labels[: p - 1] = IGNORE
+    return out
+
+
 def response_tokens(data: Responses) -> torch.Tensor:
     """Every token the target generated (prompts left out): what a drafter must propose."""
     return torch.cat([t[p:] for t, p in zip(data.tokens, data.prompt_lens)])
@@ -167,13 +180,24 @@ def load_split(data_dir: Path, split: str) -> Responses:
     return Responses.load(path)
 
 
+def heldout_splits(data_dir: Path) -> dict[str, Responses]:
+    """The held-out splits in `data_dir` by name: heldout (template prompts on held-out topics) and,
+    where the target has a chat template, freeform (requests written apart from the templates)."""
+    names = ["heldout"] + (["freeform"] if (Path(data_dir) / SPLIT_FILES["freeform"]).is_file() else [])
+    return {name: load_split(data_dir, name) for name in names}
+
+
 def labelled_windows(data_dir: Path, length: int):
-    """The train split of the target's responses in `data_dir`, then the train and the held-out
-    split's `windows` of `length` positions, labelled with the target's next tokens."""
-    split = {name: load_split(data_dir, name) for name in ("train", "heldout")}
-    train, heldout = (windows(split[name], next_token_labels(split[name]), length)
-                      for name in ("train", "heldout"))
-    return split["train"], train, heldout
+    """The train split of the target's responses in `data_dir`, its `windows` of `length` positions
+    labelled with the target's next tokens, and the held-out splits' windows by eval name
+    (`heldout_responses`, `freeform_responses`; a split with no response that long is left out),
+    labelled on the responses' positions only (`response_labels`)."""
+    train = load_split(data_dir, "train")
+    evals = {}
+    for name, data in heldout_splits(data_dir).items():
+        if name == "heldout" or any(len(f) >= length for f in data.features):
+            evals[f"{name}_responses"] = windows(data, response_labels(data), length)
+    return train, windows(train, next_token_labels(train), length), evals
 
 
 def data_hash(data_dir: Path) -> str:
@@ -187,12 +211,14 @@ def data_hash(data_dir: Path) -> str:
 
 def prompt_ids(target_dir: Path, tok, spec: ResponsesSpec, split: str) -> list[tuple[str, list[int]]]:
     """(kind, token ids) of one split's prompts: chat through the target's template, code as raw text."""
-    chat_n, code_n = ((spec.chat_prompts, spec.code_prompts) if split == "train"
-                      else (spec.heldout_chat, spec.heldout_code))
+    chat_n, code_n = {"train": (spec.chat_prompts, spec.code_prompts), "heldout": (spec.heldout_chat,
+                      spec.heldout_code), "freeform": (spec.freeform_chat, 0)}[split]
     out = []
     template = ChatTemplate.from_tokenizer_dir(target_dir)
     if chat_n and template is not None:  # a base model without a template gets code prompts only
-        for user in chat_prompts.chat_prompts(split, chat_n, seed=spec.seed):
+        users = (chat_prompts.freeform_prompts(chat_n) if split == "freeform"
+                 else chat_prompts.chat_prompts(split, chat_n, seed=spec.seed))
+        for user in users:
             # The template's own special tokens are in the text: encode them as such, add nothing.
             out.append(("chat", tok.encode(template.render(chat_messages(user)), add_special_tokens=False).ids))
     if code_n:
@@ -314,7 +340,7 @@ def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progre
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     target_hash = target_fingerprint(target_dir)
     meta_path = out_dir / META_FILE
-    if meta_path.is_file() and all((out_dir / f).is_file() for f in SPLIT_FILES.values()):
+    if meta_path.is_file() and all((out_dir / SPLIT_FILES[f]).is_file() for f in REQUIRED_SPLITS):
         meta = json.loads(meta_path.read_text())
         if meta.get("data_hash") == spec.config_hash() and meta.get("target_hash") == target_hash:
             progress(f"[responses] reusing {out_dir} ({meta['train']['positions']:,} train positions)")
@@ -326,7 +352,8 @@ def build_responses(target_dir: Path, out_dir: Path, spec: ResponsesSpec, progre
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    splits = {split: prompt_ids(target_dir, tok, spec, split) for split in ("heldout", "train")}
+    splits = {split: prompt_ids(target_dir, tok, spec, split) for split in ("heldout", "freeform", "train")}
+    splits = {split: prompts for split, prompts in splits.items() if prompts}  # freeform: chat models only
     longest = max(len(ids) for prompts in splits.values() for _, ids in prompts)
     graph_path = build_graph(target_dir, tmp / "graph", longest + max(spec.chat_tokens, spec.code_tokens))
     progress(f"[responses] batched target graph built ({time.perf_counter() - t0:.0f}s)")
@@ -367,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     return finish(lambda: build_responses(args.target, args.out, PRESETS[args.preset], say, args.threads),
-                  "train", "heldout")
+                  "train", "heldout", "freeform")
 
 
 if __name__ == "__main__":
