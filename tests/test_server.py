@@ -546,7 +546,7 @@ def test_short_soak(chat_export):
     (RSS flatness needs minutes: `make soak`.)"""
     from soak import soak
 
-    report = soak(chat_export, seconds=20, clients=8, pool_size=2, interval=5, warmup_s=None, settle_s=1,
+    report = soak(chat_export, seconds=12, clients=8, pool_size=2, interval=3, warmup_s=None, settle_s=1,
                   bad_fraction=0.25, disconnect_fraction=0.15)
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
     checks = {k: v for k, v in report["checks"].items() if k != "anonymous RSS flat after warm-up"}
