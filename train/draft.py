@@ -229,17 +229,16 @@ def _distil(target_dir: Path, data_dir: Path, out_dir: Path, spec: DraftSpec, pr
     draft = draft_from_target(target, spec.layers)
     train, heldout = load_split(data_dir, "train"), heldout_splits(data_dir)
     weight = target.lm_head.weight
-    labels = {"train": next_token_labels(train)}
+    labels = next_token_labels(train)
     subset = VocabSubset.most_frequent(response_tokens(train), weight, spec.train_vocab)
     del target
     progress(f"[draft] layers {list(spec.layers)}: {sum(p.numel() for p in draft.parameters()):,} params; "
              f"{train.positions:,} train positions")
-    run = train_draft(draft, train, labels["train"], subset, spec, progress)
+    run = train_draft(draft, train, labels, subset, spec, progress)
     scores = {name: agreement(draft, data, next_token_labels(data), spec.max_len) for name, data in heldout.items()}
     for name, score in scores.items():
         progress(f"[draft] held-out top-1 agreement on responses ({name}): {score['top1_response']:.3f}")
-    meta = run_meta(spec, run, t0, heldout=scores["heldout"], **({"freeform": scores["freeform"]}
-                                                                  if "freeform" in scores else {}))
+    meta = run_meta(spec, run, t0, **scores)  # heldout, and freeform where the data has it
     def save(out: Path) -> None:
         _save(draft, target_dir, out)
         _write_vocab(out, train)
