@@ -13,8 +13,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 from ..runtime.graph_contract import KVGeometry
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 class DecoderGraph(torch.nn.Module):
     """forward(input_ids, position_ids, tree_mask, *past) -> logits, hidden, *presents

@@ -5,35 +5,46 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from ..runtime.errors import SpecDeployError
-from .decoder_graph import SUPPORTED_MODEL_TYPES
 from .dir_config import read_dir_config
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# torch and transformers load in ~10 s: this module imports neither at the top, so a bad model
+# directory is reported before they load (`specdeploy export` checks its inputs first).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # export/decoder_graph.py's families
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def read_hf_config(model_dir: Path) -> dict:
     return read_dir_config(model_dir, "config.json", "model", ": not a Hugging Face model directory")
 
 
-def load_causal_lm(model_dir: Path, dtype: str = "float32"):
-    """An HF causal LM of a supported family, in eval mode, on the CPU."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = read_hf_config(model_dir)
+def check_loadable(model_dir: Path, cfg: dict) -> None:
+    """What loading `model_dir` (config `cfg`) needs that a glance can tell: a supported family, weights."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise SpecDeployError(
             f"{model_dir}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    if dtype not in DTYPES:
-        raise SpecDeployError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if not any(Path(model_dir).glob("*.safetensors")) and not any(Path(model_dir).glob("*.bin")):
         raise SpecDeployError(f"{model_dir} holds no weights (*.safetensors or *.bin)")
+
+
+def torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise SpecDeployError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    return getattr(torch, dtype)
+
+
+def load_causal_lm(model_dir: Path, dtype: str = "float32"):
+    """An HF causal LM of a supported family, in eval mode, on the CPU."""
+    check_loadable(model_dir, read_hf_config(model_dir))
+    torch_type = torch_dtype(dtype)
+    from transformers import AutoModelForCausalLM
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_type, attn_implementation="eager")
     except Exception as exc:  # corrupt weights, shape mismatches, unreadable files
         raise SpecDeployError(f"could not load model from {model_dir}: {type(exc).__name__}: {exc}") from None
     return model.eval()

@@ -42,14 +42,16 @@ def accuracy_check(progress):
 
 def quant_plan(args, progress):
     """--weights (target), --draft-weights and --heads-weights (default: as --weights) -> QuantPlan or None."""
-    from .quantize import DEFAULT_BLOCK_SIZE, QuantPlan
-
     weights = getattr(args, "weights", "float")
     draft, heads = getattr(args, "draft_weights", None), getattr(args, "heads_weights", None)
     if draft is not None and args.draft is None:
         raise SpecDeployError("--draft-weights needs --draft DIR")
     if heads is not None and getattr(args, "eagle", None) is None:
         raise SpecDeployError("--heads-weights applies to an EAGLE head (--eagle DIR); Medusa heads stay float32")
+    if getattr(args, "block_size", None) is None and all(c in (None, "float") for c in (weights, draft, heads)):
+        return None  # nothing to quantize: the quantizer (onnx, ~2 s to import) is not needed
+    from .quantize import DEFAULT_BLOCK_SIZE, QuantPlan
+
     plan = QuantPlan.from_choices(getattr(args, "block_size", None) or DEFAULT_BLOCK_SIZE, target=weights,
                                   draft=(draft or weights) if args.draft is not None else None,
                                   eagle=(heads or weights) if getattr(args, "eagle", None) is not None else None)
