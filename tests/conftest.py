@@ -48,11 +48,14 @@ def micro_export(micro_family, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def random_models(micro_family) -> dict[str, tuple[Path, Path]]:
-    """Per architecture: (target, draft) random-init models sharing the micro tokenizer."""
+def random_models(micro_family, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Per architecture: (target, draft) random-init models sharing the micro tokenizer.
+
+    Written into this session's own temp dir (a second of work): `make test`'s workers
+    (pytest-xdist) each build their own, never writing files another one is reading."""
     from specdeploy.train.family import make_random_model
 
-    root = BUILD / "test_models"
+    root = tmp_path_factory.mktemp("test_models")
     tok = micro_family / "tokenizer"
     return {
         arch: (make_random_model(arch, root / f"{arch}_target", tok, seed=1),
