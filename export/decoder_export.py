@@ -53,6 +53,7 @@ def model_spec(name: str, model, source: Path, feature_layers: tuple[int, ...] =
                                      architecture=(cfg.architectures or [type(model).__name__])[0],
                                      model_type=cfg.model_type, source=str(Path(source).resolve()), extra=extra)
 
+
 SAMPLE_TOKENS, SAMPLE_PAST = 3, 3  # the call the portable graphs are traced with
 
 
@@ -132,11 +133,13 @@ class DecoderExporter:
         self.progress(f"  wrote {graph_file(graph)} (ORT fused ops, KV in place)")
         return GraphRecord.new(graph, self.name, DECODER, tokens, flavor=FUSED)
 
+
 def draft_token_counts(cfg: ExportConfig) -> list[int]:
     """1 to draft; 2 to catch up after a fully accepted step (the last draft and the bonus
     token; a padded T=64 call cost 2-6x a T=2 one, two T=1 calls about 2x, and near the context
     end the chunk's graph does not fit); the chunk for the prompt."""
     return sorted(t for t in {1, 2, cfg.prefill_chunk} if t < cfg.max_context)
+
 
 def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: ExportConfig, methods: dict,
                  steps: dict[str, MethodExport], token_counts: list[int], fused: bool, batched: bool, progress):

@@ -25,6 +25,7 @@ from .out_dir import Staging, checked_out_dir
 if TYPE_CHECKING:
     from .quantize import QuantPlan
 
+
 def check_context(name: str, cfg: dict, max_context: int) -> None:
     limit = cfg.get("max_position_embeddings")
     if limit and max_context > limit:
@@ -42,6 +43,7 @@ def special_tokens(target_dir: Path, cfg: dict) -> dict:
     eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
     return {"bos_token_id": cfg.get("bos_token_id"), "eos_token_ids": eos_ids, "pad_token_id": cfg.get("pad_token_id")}
 
+
 def target_token_counts(cfg: ExportConfig, methods: dict) -> list[int]:
     counts = {1, cfg.prefill_chunk}
     for method, config in methods.items():
@@ -53,6 +55,7 @@ def target_token_counts(cfg: ExportConfig, methods: dict) -> list[int]:
     if max(counts) >= cfg.max_context:
         raise SpecDeployError(f"a graph of {max(counts)} tokens does not fit max_context {cfg.max_context}")
     return sorted(counts)
+
 
 def export_methods(overrides: dict[str, dict], sources: dict[str, Path | None]) -> dict:
     """The validated config of every registered method this export can have (one that needs
