@@ -147,6 +147,19 @@ def one_request(url: str, model: str, job: dict, out: dict, lock: threading.Lock
             out["itl"].extend(gaps if len(stamps) >= job["max_tokens"] else [per_token] * (job["max_tokens"] - 1))
 
 
+def gate_ratios(url: str) -> dict[str, float]:
+    """A batched server's speculation gate so far (its /metrics): speculating / plain rate by rows."""
+    import httpx
+
+    prefix = "specdeploy_speculation_gate_ratio{rows=\""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
 def jobs_for(client: int, requests: int, methods: list[str], max_tokens: int, prompts: list[dict],
              greedy: bool) -> list[dict]:
     jobs = []
@@ -231,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                         server_args, methods = configs[name]
                         row = run_load(servers[name].url, args.export.name, clients, args.requests, methods,
                                        args.max_tokens, prompts, args.greedy)
+                        gate = gate_ratios(servers[name].url)
                         print(json.dumps({"config": name, "server": " ".join(server_args), "mix": mix,
-                                          "methods": methods, "greedy": args.greedy, "round": round_, **row}),
+                                          "methods": methods, "greedy": args.greedy, "round": round_, **row,
+                                          **({"gate": gate} if gate else {})}),
                               flush=True)
     finally:
         for server in servers.values():

@@ -38,8 +38,17 @@ class Metrics:
         Gauge("specdeploy_workers_busy", "Workers (export instances) serving a request", registry=r).set_function(
             lambda: service.pool.in_use)
         Gauge("specdeploy_workers", "Workers (export instances) in the pool", registry=r).set(service.pool.size)
+        # a batched service: the speculation gate's measured speculating / plain rate per batch size
+        self.gate = getattr(service.pool.exports[0], "gate", None) if service.pool.exports else None
+        self.gate_ratio = Gauge("specdeploy_speculation_gate_ratio",
+                                "Batched serving: tokens per row-second speculating over decoding plainly, as "
+                                "measured by the speculation gate, by batch size (rows, a power-of-two range)",
+                                ["rows"], registry=r)
 
     def render(self) -> bytes:
+        if self.gate is not None:
+            for bits, entry in self.gate.state().items():
+                self.gate_ratio.labels(rows=f"{1 << (bits - 1)}-{(1 << bits) - 1}").set(entry["ratio"])
         return generate_latest(self.registry)
 
     def observe_generation(self, request) -> None:

@@ -364,3 +364,43 @@ def test_a_batched_graph_of_the_older_form_is_named_and_replaced(micro_family, m
     job = dict(prompt="the cat sat on the mat and the cat sat on", method="prompt-lookup", max_new_tokens=6,
                ignore_eos=True)
     assert Service.load(old, batch=2).generate(**job).token_ids == alone.generate(**job).token_ids
+
+
+def test_the_speculation_gate_measures_both_ways_and_rows_stay_lossless(batched_export, services, monkeypatch):
+    """The gate (runtime/batching/gate.py) keeps every row plain in some epochs and lets the policy
+    speculate in others: tokens stay each request's batch-1 tokens, and the gate has compared the
+    two ways (short epochs, so these few calls make several)."""
+    from specdeploy.runtime.batching import gate
+    from specdeploy.runtime.service import Service
+
+    alone, _ = services
+    monkeypatch.setenv("SPECDEPLOY_ADAPTIVE", "1")
+    monkeypatch.setattr(gate, "EPOCH_CALLS", 2)
+    svc = Service.load(batched_export, batch=3, queue_size=8)
+    row = svc.pool.exports[0]
+    jobs = [dict(job, max_new_tokens=24, ignore_eos=True) for job in JOBS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: svc.generate(**job).token_ids, jobs))
+    assert got == [alone.generate(**job).token_ids for job in jobs]
+    state = row.gate.state()
+    assert state and max(entry["pairs"] for entry in state.values()) >= 1, state
+
+
+def test_a_batched_server_reports_what_its_speculation_gate_measured(batched_export, services):
+    """With the load-adaptive policy on, /metrics shows the gate's speculating / plain rate per batch
+    size once rows have run side by side; the completions are still each request's batch-1 text."""
+    import httpx
+    from serve_util import ServerProcess
+
+    alone, _ = services
+    jobs = [dict(model="micro", prompt=j["prompt"], max_tokens=24, temperature=0, method=j["method"],
+                 ignore_eos=True) for j in JOBS]
+    want = [alone.generate(j["prompt"], method=j["method"], max_new_tokens=24, ignore_eos=True).text for j in jobs]
+    with ServerProcess(batched_export, "--batch", "3", "--queue", "8", env={"SPECDEPLOY_ADAPTIVE": "1"}) as srv:
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda job: http.post(f"{srv.url}/v1/completions", json=job).json()
+                                ["choices"][0]["text"], jobs))
+            metrics = http.get(f"{srv.url}/metrics").text
+    assert got == want
+    ratios = [line for line in metrics.splitlines() if line.startswith("specdeploy_speculation_gate_ratio{")]
+    assert ratios and all(float(line.rsplit(" ", 1)[1]) > 0 for line in ratios), metrics[-2000:]

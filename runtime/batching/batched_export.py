@@ -16,6 +16,7 @@ from ..graph_contract import TARGET
 from ..loaded_export import LoadedExport
 from ..methods import build_drafter
 from ..pool import ExportPool
+from .gate import SpeculationGate
 from .graph import BatchedGraph
 from .kv_slots import SlotKV
 from .policy import CostModel, LoadAwareDrafter, SpeculationPolicy
@@ -35,7 +36,9 @@ class BatchedExport(LoadedExport):
         self.slot = 0
         costs = CostModel()
         self.policy = SpeculationPolicy(costs, enabled=on_by_default())
+        self.gate: SpeculationGate | None = None
         if self.policy.enabled:
+            self.gate = self.batcher.gate = SpeculationGate()
             widths = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
             most = max(config.verify_tokens for config in self.methods.values())
             sizes = sorted({t for t in (2, 4, 8, 16, most + 1) if 1 < t <= most + 1})
@@ -59,7 +62,7 @@ class BatchedExport(LoadedExport):
         if config.verify_tokens <= 1:
             return {"adaptive": False}
         drafter = LoadAwareDrafter(build_drafter(self, config), self.policy, self.batcher, self.slot,
-                                   config.verify_tokens - 1)
+                                   config.verify_tokens - 1, self.gate)
         return {"drafter": drafter, "adaptive": False}
 
     def warm_up(self, method: str) -> None:

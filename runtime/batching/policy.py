@@ -35,6 +35,7 @@ import numpy as np
 
 from ..drafters.base import DecodeState, Drafter, Proposal
 from ..tree import Tree
+from .gate import SpeculationGate
 
 EMA = 0.2  # weight of the newest timing of a call size
 PRIOR_STEPS = 2.0  # speculative steps the method's acceptance counts for in a row's estimate
@@ -296,10 +297,15 @@ class LoadAwareDrafter(Drafter):
     batcher for a seat), drafts only then, and reports what was accepted. The inner drafter
     sees every step as before (a plain step is a root-only proposal, as when the batch-1
     adaptive policy decodes plainly). A disabled policy drafts every step without a seat (the
-    scheduler then takes further calls), so the steps stay batch-1's."""
+    scheduler then takes further calls), so the steps stay batch-1's. Under a `gate` (gate.py)
+    every row decodes plainly in the epochs the gate keeps plain, and reports what its
+    speculative steps committed."""
 
-    def __init__(self, inner: Drafter, policy: SpeculationPolicy, batcher, slot: int, most: int):
+    def __init__(self, inner: Drafter, policy: SpeculationPolicy, batcher, slot: int, most: int,
+                 gate: SpeculationGate | None = None):
         self.inner, self.policy, self.batcher, self.slot, self.most = inner, policy, batcher, slot, most
+        self.gate = gate
+        self._gated = False  # this step was kept plain by the gate, not by the policy
         self.name, self.deterministic = inner.name, inner.deterministic
         self.default_sampling = inner.default_sampling
         self.acceptance = Acceptance(ROW_DECAY)
@@ -312,6 +318,9 @@ class LoadAwareDrafter(Drafter):
         self.inner.start(state)
 
     def propose(self, state: DecodeState) -> Proposal:
+        self._gated = self.gate is not None and not self.gate.speculate
+        if self._gated:
+            return Proposal.root_only(state.tokens[-1])
         survival = self.acceptance.survival(self.policy.prior(self.name))
         k = self.policy.draft_size(max(1, self.batcher.active), survival, self.most, self.policy.draft_s(self.name),
                                    self.plain_steps)
@@ -325,7 +334,12 @@ class LoadAwareDrafter(Drafter):
         return truncated(proposal, k)
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
-        self.plain_steps = 0 if proposal.size > 1 else self.plain_steps + 1
+        if proposal.size > 1:
+            self.plain_steps = 0
+            if self.gate is not None:
+                self.gate.committed(self.slot, verdict.accepted_drafts + 1)
+        elif not self._gated:  # a gated epoch's plain steps buy no probe
+            self.plain_steps += 1
         if proposal.size > 1 and proposal.aux_tokens is None:
             depth = int(proposal.tree.depth.max())
             self.acceptance.add(verdict.accepted_drafts, depth)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .gate import SpeculationGate
 from .graph import BatchedGraph, Run
 from .kv_slots import SlotKV
 
@@ -67,6 +68,7 @@ class Batcher:
         self._last_step_s = 0.0
         self.steps = 0
         self.observers: list = []  # callables (tokens computed, seconds, runs used, lone=) after each call
+        self.gate: SpeculationGate | None = None  # told each call's works (gate.py)
         self.lone_calls = graph.has_lone_row  # a row alone runs the graph's lone-row branch
         self._seats: set[int] = set()  # slots whose next call is a speculative step
         self.seats = graph.runs
@@ -192,6 +194,8 @@ class Batcher:
         lone = self.lone_calls and len(work) == 1
         for observe in self.observers:
             observe(tokens, seconds, len(runs), lone=lone)
+        if self.gate is not None:
+            self.gate.on_call(decodes, runs, seconds)
         with self._cond:
             self._seats.difference_update(w.slot for w in work)
             for w in work:  # before its row wakes: from then on the row may be committing

@@ -1,0 +1,78 @@
+"""The batch's speculation gate: epochs measured both ways, the faster mode kept."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from specdeploy.runtime.batching.gate import EPOCH_CALLS, EXPLORE_EVERY, FIRST_PAIRS, SpeculationGate
+
+
+class Batch:
+    """Drives a gate like the scheduler and its rows: `rows` rows a call; in a speculating epoch
+    each row's step is a run committing `spec_tokens`, and a call takes `spec_s` (else 1 token,
+    `plain_s`)."""
+
+    def __init__(self, rows: int, spec_tokens: int, spec_s: float, plain_s: float):
+        self.now = 0.0
+        self.gate = SpeculationGate(clock=lambda: self.now)
+        self.rows, self.spec_tokens, self.spec_s, self.plain_s = rows, spec_tokens, spec_s, plain_s
+
+    def epochs(self, n: int) -> list[bool]:
+        modes = []
+        for _ in range(n):
+            modes.append(self.gate.speculate)
+            for _ in range(EPOCH_CALLS):
+                spec = self.gate.speculate
+                works = [SimpleNamespace(slot=s, prefill=False) for s in range(self.rows)]
+                seconds = self.spec_s if spec else self.plain_s
+                self.now += seconds
+                if spec:
+                    self.gate.on_call([], works, seconds)
+                    for w in works:
+                        self.gate.committed(w.slot, self.spec_tokens)
+                else:
+                    self.gate.on_call(works, [], seconds)
+        return modes
+
+
+def test_the_gate_keeps_plain_decoding_where_speculation_is_slower_and_still_explores():
+    batch = Batch(rows=8, spec_tokens=2, spec_s=0.25, plain_s=0.10)  # 8 vs 10 tokens per row-second
+    warm = FIRST_PAIRS * 2 + 4
+    modes = batch.epochs(warm + 4 * EXPLORE_EVERY)
+    assert modes[:4] == [True, False, True, False]  # alternating until measured
+    late = modes[warm:]
+    assert late.count(True) == 4  # one epoch in EXPLORE_EVERY
+    assert batch.gate.state()[4]["ratio"] < 1.0
+
+
+def test_the_gate_keeps_speculating_where_it_is_faster():
+    batch = Batch(rows=8, spec_tokens=3, spec_s=0.15, plain_s=0.10)  # 20 vs 10
+    modes = batch.epochs(FIRST_PAIRS * 2 + 4 + 2 * EXPLORE_EVERY)
+    late = modes[-2 * EXPLORE_EVERY:]
+    assert late.count(False) == 2
+    assert batch.gate.state()[4]["ratio"] > 1.5
+
+
+def test_a_row_alone_is_left_to_the_row_policy():
+    batch = Batch(rows=1, spec_tokens=1, spec_s=1.0, plain_s=0.01)  # speculation hopeless
+    modes = batch.epochs(12)
+    assert all(modes[1:])  # never gated: a lone row's own rule decides
+    assert batch.gate.state() == {}
+
+
+def test_prefill_chunks_count_no_row_step():
+    gate = SpeculationGate(clock=lambda: 0.0)
+    gate.on_call([SimpleNamespace(slot=0, prefill=False)], [SimpleNamespace(slot=1, prefill=True)], 0.1)
+    gate.committed(1, 5)  # a prefill chunk's row never reports; a stray report is ignored
+    epoch = gate._epochs[0]
+    assert (epoch.row_steps, epoch.tokens) == (1, 1)
+
+
+def test_an_idle_server_between_requests_is_not_an_epochs_time():
+    """Minutes without a call (no requests) inside an epoch would make it look slow: the gap counts
+    as the call's own time."""
+    batch = Batch(rows=4, spec_tokens=1, spec_s=0.1, plain_s=0.1)  # both ways alike
+    batch.epochs(1)
+    batch.now += 600.0  # idle
+    batch.epochs(12)
+    assert 0.9 < batch.gate.state()[3]["ratio"] < 1.1
