@@ -43,7 +43,7 @@ class OrtGenai:
             self.spec = None
         else:
             raise ValueError(f"onnxruntime-genai has no method {method!r}")
-        self.info = {"onnxruntime_genai": og.__version__, "speculative": self.spec}
+        self.info = {"onnxruntime_genai": og.__version__, "speculative": self.spec, "model_dir": setup["model_dir"]}
 
     def run(self, req: dict):
         ids = req["prompt_ids"]

@@ -117,9 +117,11 @@ def _genai_version(py: Path) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def _build_genai(py: Path, hf_dir: Path, out: Path, log: Path) -> None:
+def _build_genai(py: Path, hf_dir: Path, out: Path, log: Path, precision: str = "fp32") -> None:
+    """genai's model builder for the CPU: `fp32`, or `int4` with its CPU defaults (MatMulNBits,
+    block 32, symmetric, accuracy level 4: int8 activations), as a user of genai gets it."""
     cmd = [str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
-           "-p", "fp32", "-e", "cpu", "-c", str(out.parent / "hf-cache")]
+           "-p", precision, "-e", "cpu", "-c", str(out.parent / "hf-cache")]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=genai_env())
     if proc.returncode != 0 or not (out / "genai_config.json").is_file():
@@ -128,8 +130,9 @@ def _build_genai(py: Path, hf_dir: Path, out: Path, log: Path) -> None:
 
 
 def genai_model_dirs(target: str | Path, draft: str | Path | None, peers_dir: str | Path,
-                     build: bool = True, progress=print) -> dict[str, Path]:
-    """{"plain": dir, "speculative": dir (target + draft)} for onnxruntime-genai, built on first use."""
+                     build: bool = True, progress=print, int4: bool = False) -> dict[str, Path]:
+    """{"plain": dir, "speculative": dir (target + draft), "int4": dir (`int4`: the target's int4
+    build)} for onnxruntime-genai, built on first use."""
     py = genai_python(peers_dir)
     if not py.exists():
         raise PeerUnavailable(f"no onnxruntime-genai venv at {py.parent.parent}: run `make peers`")
@@ -140,6 +143,8 @@ def genai_model_dirs(target: str | Path, draft: str | Path | None, peers_dir: st
         dkey = model_key(draft)
         out["draft"] = root / tkey / f"draft-{dkey}"
         out["speculative"] = root / tkey / f"spec-{dkey}"
+    if int4:
+        out["int4"] = root / tkey / "target-int4"
     if not build:
         return out
     for name, src in (("plain", target), ("draft", draft)):
@@ -147,6 +152,10 @@ def genai_model_dirs(target: str | Path, draft: str | Path | None, peers_dir: st
             progress(f"onnxruntime-genai model builder: {src} -> {out[name]}")
             log = out[name].parent / f"{out[name].name}.build.log"
             _atomic_build(out[name], lambda tmp, src=src, log=log: _build_genai(py, Path(src), tmp, log))
+    if "int4" in out and not out["int4"].is_dir():
+        progress(f"onnxruntime-genai model builder (int4): {target} -> {out['int4']}")
+        log = out["int4"].parent / "target-int4.build.log"
+        _atomic_build(out["int4"], lambda tmp: _build_genai(py, Path(target), tmp, log, "int4"))
     if "speculative" in out:
         _atomic_build(out["speculative"], lambda tmp: _compose_speculative(out["plain"], out["draft"], tmp))
     return out
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ortgenai" in only:
         try:
             py = ensure_genai_venv(args.peers_dir)
-            dirs = genai_model_dirs(target, draft, args.peers_dir)
+            dirs = genai_model_dirs(target, draft, args.peers_dir, int4=True)  # int4 beside our int4 exports
             status["ortgenai"] = f"ok (onnxruntime-genai {_genai_version(py)}): {', '.join(map(str, dirs.values()))}"
         except (PeerUnavailable, subprocess.CalledProcessError) as exc:
             status["ortgenai"] = f"unavailable: {exc}"

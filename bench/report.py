@@ -10,11 +10,12 @@ from .run import ALL_METHODS, OTHER_QUANTIZATION, SYSTEMS
 
 SYSTEM_NAMES = {"specdeploy": "specdeploy", "specdeploy-int8": "specdeploy int8", "specdeploy-int4": "specdeploy int4",
                 "hf": "HF transformers", "optimum": "optimum ORT", "ortgenai": "onnxruntime-genai",
+                "ortgenai-int4": "onnxruntime-genai int4",
                 "llamacpp": "llama.cpp (same weights)", "llamacpp-q8_0": "llama.cpp Q8_0",
                 "llamacpp-q4_1": "llama.cpp Q4_1 (the original GGUF)"}
 COLORS = {"specdeploy": "#1f77b4", "specdeploy-int8": "#6baed6", "specdeploy-int4": "#bdd7e7", "hf": "#ff7f0e",
-          "optimum": "#2ca02c", "ortgenai": "#d62728", "llamacpp": "#9467bd", "llamacpp-q8_0": "#b39ddb",
-          "llamacpp-q4_1": "#dadaeb"}
+          "optimum": "#2ca02c", "ortgenai": "#d62728", "ortgenai-int4": "#f4a6a6", "llamacpp": "#9467bd",
+          "llamacpp-q8_0": "#b39ddb", "llamacpp-q4_1": "#dadaeb"}
 
 
 def _f(value, fmt: str, missing: str = "-") -> str:
@@ -212,6 +213,12 @@ def _quantized_targets(set_name: str, rows: dict) -> list[tuple[str, str, bool |
             if s == system and theirs:
                 out.append((f"{set_name}: our {bits} {m} >= llama.cpp {peer.split('-')[1].upper()} {m}",
                             f"{v:.1f} vs {theirs:.1f} tok/s", v >= theirs))
+    genai = {"ar": "ar", "prompt-lookup": "prompt-lookup (its n-gram mode)"}
+    for m, label in genai.items():
+        ours, theirs = rows.get(("specdeploy-int4", m)), rows.get(("ortgenai-int4", m))
+        if ours and theirs:
+            out.append((f"{set_name}: our int4 {m} >= onnxruntime-genai int4 {label}",
+                        f"{ours:.1f} vs {theirs:.1f} tok/s", ours >= theirs))
     return out
 
 
@@ -244,7 +251,9 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
                                            f"{q['scheme']['models']['target']['lm_head_bits']}-bit)"
                                            for s, q in (meta.get("quantized") or {}).items()) or "no quantized export")
               + "; beside them llama.cpp's `llamacpp-q8_0` (its Q8_0 quantization of the F32 GGUF) and "
-              "`llamacpp-q4_1` (the original Q4_1 GGUF the float weights were dequantized from). Each precision's "
+              "`llamacpp-q4_1` (the original Q4_1 GGUF the float weights were dequantized from), and "
+              "`ortgenai-int4` (onnxruntime-genai's model builder, `-p int4 -e cpu`, its CPU defaults: MatMulNBits "
+              "block 32, symmetric, accuracy level 4). Each precision's "
               "rows are compared against its own `ar` (a quantized target's greedy output is its own reference)",
               "- prompts: " + "; ".join(f"{k}: {v['prompts']} from `{_rel(v['file'], md_path)}` "
                                         f"({min(v['prompt_tokens'])}-{max(v['prompt_tokens'])} tokens"

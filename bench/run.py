@@ -45,8 +45,8 @@ from .workers import Worker, WorkerFailed
 
 # our quantized exports' systems, by the target's weight precision (manifest quantization bits)
 QUANTIZED = {"int8": "specdeploy-int8", "int4": "specdeploy-int4"}
-SYSTEMS = ("specdeploy", *QUANTIZED.values(), "hf", "optimum", "ortgenai", "llamacpp", "llamacpp-q8_0",
-           "llamacpp-q4_1")
+SYSTEMS = ("specdeploy", *QUANTIZED.values(), "hf", "optimum", "ortgenai", "ortgenai-int4", "llamacpp",
+           "llamacpp-q8_0", "llamacpp-q4_1")
 ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "eagle+suffix",
                "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup", "lookahead+suffix")
 PEERS = tuple(s for s in SYSTEMS if not s.startswith("specdeploy"))
@@ -54,7 +54,7 @@ PEERS = tuple(s for s in SYSTEMS if not s.startswith("specdeploy"))
 QUANTIZED_METHODS = ("ar", "prompt-lookup", "suffix", "medusa+suffix")
 # Which of our methods each peer has an equivalent of; the others are reported as skipped.
 PEER_METHODS = {"hf": ("ar", "draft", "prompt-lookup"), "optimum": ("ar",),
-                "ortgenai": ("ar", "draft", "prompt-lookup"),
+                "ortgenai": ("ar", "draft", "prompt-lookup"), "ortgenai-int4": ("ar", "prompt-lookup"),
                 "llamacpp": ("ar", "draft", "prompt-lookup"), "llamacpp-q8_0": ("ar", "prompt-lookup"),
                 "llamacpp-q4_1": ("ar", "prompt-lookup")}
 PEER_GAP = {
@@ -62,6 +62,7 @@ PEER_GAP = {
     "optimum": "ORTModelForCausalLM keeps legacy tuple past_key_values without crop(), which transformers' "
                "assisted / prompt-lookup generation needs; only plain decoding runs",
     "ortgenai": "onnxruntime-genai has no {method} mode",
+    "ortgenai-int4": "onnxruntime-genai's int4 rows run plain decoding and n-gram lookup only",
     "llamacpp": "llama-cpp-python has no {method} mode",
     "llamacpp-q8_0": "llama.cpp's quantized rows run plain decoding and prompt lookup only",
     "llamacpp-q4_1": "llama.cpp's quantized rows run plain decoding and prompt lookup only",
@@ -69,7 +70,8 @@ PEER_GAP = {
 LLAMACPP = ("llamacpp", "llamacpp-q8_0", "llamacpp-q4_1")
 # llama.cpp's own quantizations, beside ours of the same precision: another scheme, so their greedy
 # tokens differ from our same-precision ar by design (the mismatches column says by how much)
-OTHER_QUANTIZATION = {"llamacpp-q8_0": "int8", "llamacpp-q4_1": "int4"}
+OTHER_QUANTIZATION = {"llamacpp-q8_0": "int8", "llamacpp-q4_1": "int4", "ortgenai-int4": "int4"}
+GENAI = ("ortgenai", "ortgenai-int4")
 SETUP_TIMEOUT_S = 900.0  # first use may export the optimum model
 MIN_FREE_MIB = 2048  # memory (MemAvailable) that must be left before one more worker starts
 RUN_TIMEOUT_S = 600.0
@@ -209,7 +211,7 @@ def peer_unavailable(peer: str, opts: BenchOptions, export) -> str | None:
         return "transformers is not installed (pip install -e '.[export]')"
     if peer == "optimum" and find_spec("optimum") is None:
         return "optimum is not installed (pip install -e '.[bench]')"
-    if peer == "ortgenai" and not peerlib.genai_python(opts.peers_dir).exists():
+    if peer in GENAI and not peerlib.genai_python(opts.peers_dir).exists():
         return f"no onnxruntime-genai venv at {opts.peers_dir / peerlib.GENAI_VENV}: run `make peers`"
     if peer in LLAMACPP and not llamacpp.python(opts.peers_dir).exists():
         return f"no llama-cpp-python venv at {opts.peers_dir / llamacpp.VENV}: run `make peers`"
@@ -254,6 +256,8 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
              "never_token_id": never_token_id(export), "n_ctx": export.manifest.max_context}
     if system == "ortgenai":
         setup["model_dir"] = str(genai_dirs["speculative" if method == "draft" else "plain"])
+    if system == "ortgenai-int4":
+        setup["model_dir"] = str(genai_dirs["int4"])
     if system in LLAMACPP:
         setup["gguf"] = str(ggufs[{"llamacpp-q4_1": "original", "llamacpp-q8_0": "q8_0"}.get(system, "target")])
         # the same-weights row keeps its KV cache at the export's precision too; the quantized rows run
@@ -265,14 +269,15 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
 
 def _start_workers(rows, opts, export, skipped, quant: dict) -> list[Worker]:
     genai_dirs: dict = {}
-    if any(s == "ortgenai" for s, _ in rows):
+    if any(s in GENAI for s, _ in rows):
         try:
             draft = _source(export, "draft") if any(r == ("ortgenai", "draft") for r in rows) else None
-            genai_dirs = peerlib.genai_model_dirs(_source(export, "target"), draft, opts.peers_dir, progress=_say)
+            genai_dirs = peerlib.genai_model_dirs(_source(export, "target"), draft, opts.peers_dir, progress=_say,
+                                                  int4=any(s == "ortgenai-int4" for s, _ in rows))
         except (SpecDeployError, OSError) as exc:
-            for row in [r for r in rows if r[0] == "ortgenai"]:
+            for row in [r for r in rows if r[0] in GENAI]:
                 skipped.append({"system": row[0], "method": row[1], "reason": str(exc)})
-            rows = [r for r in rows if r[0] != "ortgenai"]
+            rows = [r for r in rows if r[0] not in GENAI]
     ggufs: dict = {}
     if any(s in LLAMACPP for s, _ in rows):
         target, dtype = _source(export, "target"), export.manifest.dtype
@@ -514,6 +519,10 @@ def weight_bytes(export, results: list[dict] | None = None, quant: dict | None =
         hf = roofline.hf_weight_bytes(src)
         for system in ("hf", "optimum", "ortgenai"):  # float32 loads of the same HF weights
             out[system] = {**hf, "kv_itemsize": 4}
+    info = (ran or {}).get("ortgenai-int4", {}).get("info") or {}
+    if info.get("model_dir") and (Path(info["model_dir"]) / "model.onnx").is_file():
+        graph = Path(info["model_dir"]) / "model.onnx"  # genai's int4 build: its MatMulNBits, as stored
+        out["ortgenai-int4"] = {**roofline.onnx_weight_bytes(graph, 1), "kv_itemsize": 4}
     for system in LLAMACPP:  # the GGUF the row ran, and the KV cache type it ran with
         info = (ran or {}).get(system, {}).get("info") or {}
         gguf = info.get("gguf")

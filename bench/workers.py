@@ -29,7 +29,7 @@ class Worker:
         self.system, self.method, self.setup = system, method, setup
         self.label = f"{system}/{method}"
         self.log_path = log_path
-        if system == "ortgenai":
+        if system.startswith("ortgenai"):  # float32 and int4 builds
             self.argv = [str(peers.genai_python(peers_dir)), str(peers.RUNNER)]
             base = peers.genai_env()
         elif system.startswith("llamacpp"):  # the same-weights row and the quantized ones

@@ -109,14 +109,15 @@ def test_precision_groups_compare_each_row_with_its_own_precisions_ar():
     best AR of that precision, and the quantized AR over our float AR."""
     from specdeploy.bench import run
 
-    labels = ("specdeploy/ar", "specdeploy-int4/ar", "specdeploy-int4/suffix", "llamacpp-q4_1/ar")
+    labels = ("specdeploy/ar", "specdeploy-int4/ar", "specdeploy-int4/suffix", "llamacpp-q4_1/ar", "ortgenai-int4/ar")
     workers = [SimpleNamespace(label=lb, system=lb.split("/")[0], method=lb.split("/")[1], peak_rss_mb=1.0, info={})
                for lb in labels]
     reply = lambda toks, s: {"token_ids": toks, "seconds": s, "target_calls": len(toks)}  # noqa: E731
     samples = {("code", "specdeploy/ar", 0): [reply([5, 6, 7, 8], 0.4)],
                ("code", "specdeploy-int4/ar", 0): [reply([5, 6, 9, 9], 0.2)],  # int4 differs from float32 ...
                ("code", "specdeploy-int4/suffix", 0): [reply([5, 6, 9, 9], 0.1)],  # ... suffix equals int4's ar
-               ("code", "llamacpp-q4_1/ar", 0): [reply([5, 6, 9, 1], 0.25)]}
+               ("code", "llamacpp-q4_1/ar", 0): [reply([5, 6, 9, 1], 0.25)],
+               ("code", "ortgenai-int4/ar", 0): [reply([5, 6, 9, 9], 0.32)]}
     export = SimpleNamespace(manifest=SimpleNamespace(models={}, raw={}, dtype="float32"), methods={})
     opts = run.BenchOptions(export="x", prompt_files={"code": "code.jsonl"})
     res = run._aggregate(workers, {"code": [[1]]}, samples, [], opts, export, {}, None)
@@ -133,6 +134,8 @@ def test_precision_groups_compare_each_row_with_its_own_precisions_ar():
     table = markdown_table(res)
     assert "| int4 | specdeploy-int4 | suffix |" in table and "1/1 (other quantization)" in table
     assert ("code: our int4 ar >= 3x our float ar", "2.00x", False) in targets(res)
+    assert rows[("ortgenai-int4", "ar")]["precision"] == "int4"  # genai's int4 build sits in the int4 group
+    assert ("code: our int4 ar >= onnxruntime-genai int4 ar", "20.0 vs 12.5 tok/s", True) in targets(res)
 
 
 def test_repeated_set_gets_more_prompts_at_the_same_tokens_per_pass():
@@ -511,8 +514,10 @@ def test_a_quantized_export_runs_as_its_precisions_system(micro_export, micro_in
     rows, skipped = run.plan(opts, float_export, quant)
     assert ("specdeploy", "ar") in rows and ("specdeploy-int4", "ar") in rows
     assert any(s["system"] == "specdeploy-int4" and s["method"] == "medusa" for s in skipped)  # not exported
-    q4_1 = run.plan(run.BenchOptions(export=micro_export, methods=["ar"], peers=["llamacpp-q4_1"]), float_export)
+    q4_1 = run.plan(run.BenchOptions(export=micro_export, methods=["ar"], peers=["llamacpp-q4_1", "ortgenai-int4"]),
+                    float_export)
     assert any(s["system"] == "llamacpp-q4_1" and "--quantized" in s["reason"] for s in q4_1[1])
+    assert any(s["system"] == "ortgenai-int4" and "--quantized" in s["reason"] for s in q4_1[1])
     with pytest.raises(SpecDeployError, match="not quantized"):
         run.quantized_exports(run.BenchOptions(export=micro_export, quantized=[micro_export]), float_export)
 
