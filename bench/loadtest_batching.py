@@ -139,6 +139,10 @@ def one_request(url: str, model: str, job: dict, out: dict, lock: threading.Lock
     with lock:
         out["tokens"] += job["max_tokens"]  # ignore_eos: every request runs to max_tokens
         out["target_calls"] += stats.get("target_calls", 0)
+        mine = out["by_method"].setdefault(job["method"], {"requests": 0, "seconds": 0.0, "target_calls": 0})
+        mine["requests"] += 1
+        mine["seconds"] += time.perf_counter() - t0
+        mine["target_calls"] += stats.get("target_calls", 0)
         if stamps:
             out["ttft"].append(stamps[0] - t0)
             # a streamed chunk may carry several tokens (a speculative step): spread its gap over them
@@ -173,7 +177,7 @@ def jobs_for(client: int, requests: int, methods: list[str], max_tokens: int, pr
 
 def run_load(url: str, model: str, clients: int, requests: int, methods: list[str], max_tokens: int,
              prompts: list[dict], greedy: bool = False) -> dict:
-    out: dict = {"tokens": 0, "errors": 0, "target_calls": 0, "ttft": [], "itl": []}
+    out: dict = {"tokens": 0, "errors": 0, "target_calls": 0, "ttft": [], "itl": [], "by_method": {}}
     lock = threading.Lock()
 
     def client(c: int) -> None:
@@ -194,7 +198,12 @@ def run_load(url: str, model: str, clients: int, requests: int, methods: list[st
             "itl_p50_ms": round(1000 * percentile(out["itl"], 0.5), 1),
             "itl_p95_ms": round(1000 * percentile(out["itl"], 0.95), 1),
             "tokens_per_call": round(out["tokens"] / out["target_calls"], 2) if out["target_calls"] else None,
-            "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
+            "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
+            # per method: mean seconds a request took and its target calls (rows share calls, so a
+            # method whose rows' host work makes them miss calls shows here)
+            "by_method": {m: {"requests": v["requests"], "seconds_mean": round(v["seconds"] / v["requests"], 2),
+                              "calls_mean": round(v["target_calls"] / v["requests"], 1)}
+                          for m, v in sorted(out["by_method"].items())}}
 
 
 def main(argv: list[str] | None = None) -> int:
