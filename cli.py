@@ -135,9 +135,18 @@ def _chat_ids(export, user: str, system: str | None) -> list[int]:
 
 
 def cmd_check(args) -> int:
+    path = Path(args.path)
+    # The graph check's reference imports torch (seconds): a wrong path or a broken manifest is
+    # reported before it loads (check_path validates again, checksums included).
+    if not (path.is_file() and path.suffix == ".onnx"):
+        if not path.is_dir():
+            raise SpecDeployError(f"nothing to check at {path} (expected an export directory or a .onnx file)")
+        from .runtime.manifest import load_manifest
+
+        load_manifest(path, verify_checksums=False)
     from .export.check import check_path, print_report
 
-    results = check_path(Path(args.path))
+    results = check_path(path)
     print_report(results, every_output=args.all_outputs)
     failed = [r.graph for r in results if not r.passed]
     task_failed = _task_check(args)

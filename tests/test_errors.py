@@ -59,6 +59,23 @@ def test_corrupt_manifest(broken_copy):
     assert_clean_error(gen(broken_copy), "not valid JSON")
 
 
+def test_check_reports_a_wrong_path_or_manifest_before_loading_torch(broken_copy, tmp_path):
+    """`specdeploy check` on a path that is not an export, or an export whose manifest is broken:
+    one clear line, exit 2, before the graph check's reference (torch) is imported."""
+    import subprocess
+    import sys
+
+    (broken_copy / "manifest.json").write_text("{ nope")
+    code = ("import sys\nfrom specdeploy.cli import main\n"
+            "rc = main(['check', sys.argv[1]])\n"
+            "print('rc', rc, 'torch' in sys.modules)\nsys.exit(rc)\n")
+    for path, needle in ((tmp_path / "no-such-export", "nothing to check"), (tmp_path, "manifest"),
+                         (broken_copy, "not valid JSON")):
+        proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+        assert proc.stdout.strip() == "rc 2 False", (path, proc.stdout, proc.stderr)
+        assert_clean_error(proc, needle)
+
+
 def test_weights_checksum_mismatch(broken_copy):
     weights = broken_copy / "weights" / "target.bin"
     data = bytearray(weights.read_bytes())

@@ -125,8 +125,9 @@ class SpeculationGate:
             bucket.pairs += 1
 
     def _choose(self, key: int, current: bool) -> bool:
-        """The mode of the epoch after the next: the bucket's winner, or the other one now and
-        then (alternating until the bucket has its first samples)."""
+        """The next epoch's mode: the bucket's winner, or the other one now and then (alternating
+        until the bucket has its first samples). Epochs are measured one late, so the first
+        alternation runs a few epochs more than FIRST_PAIRS pairs."""
         bucket = self._buckets.get(key)
         if bucket is None or bucket.pairs < FIRST_PAIRS:
             return not current
