@@ -21,9 +21,12 @@ The portable graphs stay float: they are TensorRT's source and this pass's accur
 reference (export/task_check.py). TensorRT's weight-only path is a different graph form
 (DequantizeLinear -> MatMul, export/quantize_trt.py), documented and linted, not built here.
 
-Greedy output stays exactly the quantized target's own `ar`: its T=1 record becomes T=2
-(`_no_single_row_calls`), because with int8-quantized activations only calls of two rows and
-more give bit-identical rows whatever their size.
+Greedy output stays exactly the quantized target's own `ar`: every row must come out the same
+from any call size, and with int8-quantized activations a single-row call does not by itself.
+An int8 target's attentions each get one padding row (export/attention_pad.py: 8-bit
+MatMulNBits is row-exact across M, GroupQueryAttention is not for one row), so it keeps its
+one-row calls; an int4 target's T=1 record becomes T=2 (`_no_single_row_calls`), because 4-bit
+MatMulNBits sums a single row differently too.
 
 Weights once (ARCHITECTURE.md): a model's fused graphs are one file content for every static
 T and share one external-data file. Each distinct content is quantized once, the result is
@@ -45,6 +48,7 @@ from onnx import helper, numpy_helper
 
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import DECODER, FUSED, TARGET, GraphRecord, decoder_graph_name, weights_file
+from .attention_pad import can_pad, pad_attention
 
 WEIGHT_CHOICES = ("float", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -254,9 +258,14 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
         before = (out / weights_file(model, FUSED)).stat().st_size
         weights = SharedWeights(out, weights_file(model, FUSED))  # truncates the float file: rewritten below
         embeddings = set()
+        pad = model == TARGET and row_exact_matmuls(scheme)
         for paths, float_model in loaded:
             quantized, embedding = quantize_model(float_model, scheme)
             embeddings.add(embedding)
+            if pad:
+                pad = can_pad(quantized.graph)
+            if pad:
+                pad_attention(quantized.graph)
             weights.externalize(quantized, paths[0])
             onnx.save(quantized, str(paths[0]))
             data = paths[0].read_bytes()
@@ -264,26 +273,38 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
                 other.write_bytes(data)
         after = weights.path.stat().st_size
         models[model] = scheme.to_json("shared" if embeddings == {"shared"} else "float")
+        if pad:  # a call writes one key and value past its rows (runtime/decoder.py: spare)
+            models[model]["attention_pad"] = 1
         progress(f"  quantized {model}'s fused graphs ({len(records)} records, {len(loaded)} distinct) to "
                  f"{scheme.name}, block {scheme.block_size}: {weights_file(model, FUSED)} "
                  f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB"
                  + (", embedding shared with the LM head" if models[model]["embedding"] == "shared" else ""))
-        if model == TARGET:
+        if pad:
+            progress(f"  {model}'s attentions padded by one row: one-row calls give the rows of any call size")
+        elif model == TARGET:
             _no_single_row_calls(out, graphs, progress)
     return {"method": METHOD, "flavor": FUSED, "models": models}
 
 
+def row_exact_matmuls(scheme: WeightScheme) -> bool:
+    """Whether every MatMulNBits of the scheme gives a row the same from one row as from several:
+    8-bit does, 4-bit does not (measured on ORT 1.32, SmolLM2's shapes, 1 and 2 threads)."""
+    return scheme.bits == 8 and scheme.lm_head_bits == 8
+
+
 def _no_single_row_calls(out: Path, graphs: dict[str, GraphRecord], progress) -> None:
-    """A quantized target decodes with its T=2 graph (one real row, one padding row), never T=1.
+    """An int4 target decodes with its T=2 graph (one real row, one padding row), never T=1.
 
     Greedy output must equal the target's own `ar` whatever the call size, so every row must
-    come out the same from any call. GroupQueryAttention takes another kernel path for a single
-    query row (ulp-level differences, which float32 graphs tolerate); with accuracy_level 4 the
-    next MatMulNBits quantizes its activations to int8, and a rounding flipped by one ulp grows
-    through the layers to logits differing by whole units: `ar` (T=1) and a method verifying at
-    T=k+1 then diverged. From two rows up every call size gives bit-identical rows (padding
-    included), so the T=1 record becomes T=2 (the same file content). The cost: a padded row per
-    decode step, and the last position of the context is not decoded (the runtime stops there)."""
+    come out the same from any call. GroupQueryAttention (export/attention_pad.py) and 4-bit
+    MatMulNBits take other kernel paths for a single row (ulp-level differences, which float32
+    graphs tolerate); with accuracy_level 4 the next MatMulNBits quantizes its activations to
+    int8, and a rounding flipped by one ulp grows through the layers to logits differing by
+    whole units: `ar` (T=1) and a method verifying at T=k+1 then diverged. From two rows up
+    every call size gives bit-identical rows (padding included), so the T=1 record becomes T=2
+    (the same file content). The cost: a padded row through every weight per decode step (10-14%
+    of a step on SmolLM2), and the last position of the context is not decoded (the runtime
+    stops there)."""
     ones = [name for name, g in graphs.items()
             if g.model == TARGET and g.flavor == FUSED and g.kind == DECODER and g.tokens == 1]
     for name in ones:

@@ -9,6 +9,8 @@ and the EAGLE head (drafters/eagle_head.py, whose rows also carry features).
   dynamic-T graph at any T (`call_sizes`; ORT's fused graphs), so calls are not padded;
 * fit(n): (rows, T) of the next call over n pending rows that also fits the room left
   (near the context end a smaller graph over fewer rows; prefill and catch-ups use it);
+* spare: positions a call writes past its own rows (an int8 target's padded attention row,
+  export/attention_pad.py): a call must end that many positions before the context end;
 * forward(...): scores n rows after the cached past, padded to T by StaticCall; commits nothing;
 * commit(step, rows): appends the chosen rows of the latest step to the cache;
 * rewind(length): forgets cached rows past `length` (nothing is cleared: the next step overwrites them);
@@ -105,6 +107,7 @@ class StaticDecoder:
         self.sizes = sorted(sizes)  # the exported static T
         self.call_sizes = self.sizes  # the T a call may run at (see the module docstring)
         self.max_context = max_context
+        self.spare = 0  # positions a call writes past its rows (module docstring)
         self.what = what  # names the model in messages
         self.calls = 0
         self.seconds = 0.0
@@ -113,7 +116,12 @@ class StaticDecoder:
         return smallest_fit(self.call_sizes if n <= self.sizes[-1] else self.sizes, n, self.what)
 
     def fit(self, n: int, sizes: list[int] | None = None) -> tuple[int, int] | None:
-        return fitting_call(self.call_sizes if sizes is None else sizes, n, self.max_context - self.cache.length)
+        return fitting_call(self.call_sizes if sizes is None else sizes, n, self.room)
+
+    @property
+    def room(self) -> int:
+        """Rows a call may still take before the context end (its spare positions kept)."""
+        return self.max_context - self.spare - self.cache.length
 
     def rewind(self, length: int) -> None:
         self.cache.truncate(length)
@@ -122,9 +130,10 @@ class StaticDecoder:
         self.rewind(0)
 
     def _check_room(self, t: int) -> None:
-        if self.cache.length + t > self.max_context:
+        if t > self.room:
+            spare = f" (less {self.spare} spare)" if self.spare else ""
             raise SpecDeployError(f"{self.what} context full: {self.cache.length} cached + {t} new tokens exceed "
-                                  f"max_context {self.max_context}")
+                                  f"max_context {self.max_context}{spare}")
 
     def _timed(self, run, *args):
         start = time.perf_counter()

@@ -132,8 +132,8 @@ class Generation:
             speculate = self.speculative and (policy is None or policy.speculate())
             proposal = drafter.propose(state) if speculate else Proposal.root_only(state.tokens[-1])
             self.stats["draft_s"] += time.perf_counter() - td
-            room = target.max_context - target.cache.length
-            if room < target.graph_for(1):  # no graph fits (a quantized target's smallest is T=2)
+            room = target.room
+            if room < target.graph_for(1):  # no graph fits (an int4 target's smallest is T=2; int8's keeps a spare)
                 self.finish_reason = "length"
                 break
             timed = policy is not None

@@ -185,6 +185,8 @@ def quantization(data, models: dict) -> dict:
             fail(f"{where}.symmetric", f"must be true or false, got {scheme.get('symmetric')!r}")
         if text(scheme.get("embedding"), f"{where}.embedding") not in QUANT_EMBEDDINGS:
             fail(f"{where}.embedding", f"is {scheme['embedding']!r}, not one of {', '.join(QUANT_EMBEDDINGS)}")
+        # rows a call writes past its own (export/attention_pad.py); absent: none
+        integer(scheme.get("attention_pad", 0), f"{where}.attention_pad", 0, 1)
     return data
 
 

@@ -63,10 +63,13 @@ def test_manifest_records_the_scheme_and_only_fused_graphs_change(quantized, mic
     q = manifest["quantization"]
     assert q["flavor"] == "fused" and q["method"] == "matmul_nbits"
     assert set(q["models"]) == {"target", "draft", "eagle"}  # Medusa heads stay float
-    for scheme in q["models"].values():
+    for model, scheme in q["models"].items():
         assert scheme["bits"] == int(bits[3:]) and scheme["block_size"] == 32
         assert scheme["lm_head_bits"] == 8  # the LM head stays 8-bit under an int4 body
         assert scheme["embedding"] == "float"  # the micro family's embeddings are untied
+        # an int8 target's attentions carry a padding row (export/attention_pad.py); drafters' rows
+        # only change proposals, and an int4 target runs no one-row call instead
+        assert scheme.get("attention_pad", 0) == (1 if model == "target" and bits == "int8" else 0), model
     for name, g in manifest["graphs"].items():
         ops = _ops(out / g["file"])
         if g.get("flavor") == "fused":
@@ -113,25 +116,46 @@ def test_every_method_equals_the_quantized_targets_ar(quantized):
 
 
 def test_rows_are_identical_from_any_call_size(quantized):
-    """The quantized target runs no single-row call (its smallest fused graph is T=2), and from two
-    rows up every call size gives bit-identical rows: what keeps every method equal to ar."""
+    """Every call size gives bit-identical rows, one-row calls included: what keeps every method
+    equal to ar. An int8 target runs one-row calls, its attentions padded by a row (one spare
+    position); an int4 target runs none (its smallest fused graph is T=2: 4-bit MatMulNBits sums a
+    single row differently)."""
     from specdeploy.runtime.loaded_export import LoadedExport
 
-    _, out, _ = quantized
+    bits, out, _ = quantized
     export = LoadedExport(out)
     target = export.decoder("target")
-    assert target.sizes[0] == 2 and 1 not in target.sizes
-    assert export.decoder("draft").sizes[0] == 1  # a draft's rows only change what is proposed
+    if bits == "int8":
+        assert target.sizes[0] == 1 and target.spare == 1
+    else:
+        assert target.sizes[0] == 2 and 1 not in target.sizes and target.spare == 0
+    assert export.decoder("draft").sizes[0] == 1 and export.decoder("draft").spare == 0  # rows change proposals only
     ids = np.array((export.tokenizer.encode("\n".join(PROMPTS)) * 8)[: 4 + max(target.sizes)])
     target.reset()
     target.prefill(ids[:4], 64)
     calls = {}
-    for t in target.sizes:  # t rows: exactly the T=t graph
+    for t in sorted({1, 2, *target.sizes}):  # t rows (T=1 on int4: padded into its T=2 graph)
         calls[t] = target.forward(ids[4 : 4 + t], np.arange(4, 4 + t), np.tril(np.ones((t, t), bool))).logits.copy()
-    one = target.forward(ids[4:5], np.array([4]), np.ones((1, 1), bool)).logits  # padded into T=2
     for t, logits in calls.items():  # a causal row depends on the rows before it only
-        np.testing.assert_array_equal(logits[:2], calls[2], err_msg=f"T={t}")
-    np.testing.assert_array_equal(one[0], calls[2][0])
+        np.testing.assert_array_equal(logits[: min(t, 2)], calls[2][: min(t, 2)], err_msg=f"T={t}")
+
+
+def test_an_int8_target_keeps_a_spare_position(quantized):
+    """The padded attention row writes its key one position past the call: a call that would end at
+    the context end is refused (generation stops a position earlier, as on int4), never written."""
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    bits, out, _ = quantized
+    if bits != "int8":
+        pytest.skip("int4 targets run no one-row call")
+    target = LoadedExport(out).decoder("target")
+    target.reset()
+    n = target.max_context - 1
+    target.prefill(np.zeros(n, np.int64), 64)  # its calls end before the spare position
+    assert target.cache.length == n and target.room == 0
+    with pytest.raises(SpecDeployError, match="less 1 spare"):
+        target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
 
 
 def test_a_trees_leading_chain_is_sequential_decoding(quantized, micro_export):
@@ -187,7 +211,7 @@ def test_task_check_passes_with_its_numbers(quantized):
     for line in task:
         assert line.startswith("ok ") and "threshold >=" in line and f"{bits} (block 32)" in line
     assert all("perplexity" in line and "threshold <=" in line for line in task[:2])
-    assert "target_fused_t2" not in proc.stdout  # quantized graphs are not held to float rounding bounds
+    assert "target_fused_t" not in proc.stdout  # quantized graphs are not held to float rounding bounds
 
 
 def _broken(monkeypatch):

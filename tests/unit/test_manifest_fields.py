@@ -81,13 +81,27 @@ HOSTILE = {
     "methods_list": (set_field("methods", value=[]), "methods must be a JSON object"),
     "check_failed": (set_field("check", value="failed"), "did not pass its accuracy check"),
     "exported_in_nan": (set_field("exported_in_s", value=float("nan")), "exported_in_s"),
+    "attention_pad_two": (lambda m: m.update(quantization=_quantized(attention_pad=2)),
+                          "quantization.models.target.attention_pad must be between 0 and 1"),
+    "attention_pad_text": (lambda m: m.update(quantization=_quantized(attention_pad="1")),
+                           "quantization.models.target.attention_pad must be an integer"),
 }
+
+
+def _quantized(**scheme) -> dict:
+    """A `quantization` entry as export/quantize.py writes one (an int8 target), with `scheme` changes."""
+    return {"method": "matmul_nbits", "flavor": "fused",
+            "models": {"target": {"bits": 8, "lm_head_bits": 8, "block_size": 32, "symmetric": False,
+                                  "accuracy_level": 4, "embedding": "shared", "attention_pad": 1, **scheme}}}
 
 
 def test_the_hand_written_export_loads(tmp_path):
     """The baseline each case changes one thing of: it loads, so each error below is that change's."""
     m = load_manifest(write_export(tmp_path))
     assert set(m.models) == {"target", "draft"} and list(m.decoder_graphs("target")) == [1, 9]
+    path = tmp_path / "manifest.json"  # and with a well-formed quantization entry
+    path.write_text(json.dumps({**json.loads(path.read_text()), "quantization": _quantized()}))
+    assert load_manifest(tmp_path).quantization["models"]["target"]["attention_pad"] == 1
     assert m.check == "passed" and m.eos_token_ids == [2] and m.prefill_chunk == 9
 
 
