@@ -140,21 +140,22 @@ def test_rows_are_identical_from_any_call_size(quantized):
         np.testing.assert_array_equal(logits[: min(t, 2)], calls[2][: min(t, 2)], err_msg=f"T={t}")
 
 
-def test_an_int8_target_keeps_a_spare_position(quantized):
-    """The padded attention row writes its key one position past the call: a call that would end at
-    the context end is refused (generation stops a position earlier, as on int4), never written."""
+def test_a_call_never_ends_at_the_context_end(quantized):
+    """A one-row call writes a padding row one position past its token (an int8 target's padded
+    attention, an int4 target's T=2 graph): one before the context end it is refused, never written
+    past the KV buffer (generation stops a position earlier: test_decoding_to_the_context_end)."""
     from specdeploy.runtime.errors import SpecDeployError
     from specdeploy.runtime.loaded_export import LoadedExport
 
     bits, out, _ = quantized
-    if bits != "int8":
-        pytest.skip("int4 targets run no one-row call")
     target = LoadedExport(out).decoder("target")
     target.reset()
     n = target.max_context - 1
-    target.prefill(np.zeros(n, np.int64), 64)  # its calls end before the spare position
-    assert target.cache.length == n and target.room == 0
-    with pytest.raises(SpecDeployError, match="less 1 spare"):
+    target.prefill(np.zeros(n, np.int64), 64)  # its calls end before the last position
+    assert target.cache.length == n
+    # int8: one spare position; int4: the smallest graph holds two rows
+    assert (target.room, target.graph_for(1)) == ((0, 1) if bits == "int8" else (1, 2))
+    with pytest.raises(SpecDeployError, match="less 1 spare" if bits == "int8" else "context full"):
         target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
 
 
