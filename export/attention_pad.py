@@ -14,7 +14,8 @@ right after the node; its key and value are written to the KV buffer one positio
 call's rows, which the next call overwrites before anything reads it. That costs one
 attention row per call instead of a padding row through every weight matrix, and one spare
 position: a call must end one row before the context end (the manifest's `attention_pad`,
-read by runtime/decoder.py). Rows of every call size come out as in a call of two or more.
+which runtime/backends/ort_decoder.py turns into `Decoder.spare`). Rows of every call size
+come out as in a call of two or more.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ ROW_INPUTS = (0, 1, 2)  # [1, T, ...]: one row per query token
 SEQLENS, TOTAL, POSITIONS, BIAS = 5, 6, 9, 10
 
 
-def can_pad(graph: onnx.GraphProto) -> bool:
+def _can_pad(graph: onnx.GraphProto) -> bool:
     """Whether every attention of `graph` takes the inputs the padding rewrites (fused decoders do)."""
     nodes = [n for n in graph.node if n.op_type == GQA]
     return bool(nodes) and all(len(n.input) > BIAS and n.input[BIAS] and n.input[POSITIONS] for n in nodes)
 
 
-def pad_attention(graph: onnx.GraphProto) -> None:
-    """Rewrite `graph` in place: every GroupQueryAttention over one more row (module docstring)."""
-    if not can_pad(graph):
-        raise ValueError("pad_attention: an attention without position ids or attention bias")
+def pad_attention(graph: onnx.GraphProto) -> bool:
+    """Rewrite `graph` in place: every GroupQueryAttention over one more row (module docstring).
+    False (nothing changed) where some attention lacks the position ids or bias it pads."""
+    if not _can_pad(graph):
+        return False
     consts: dict[str, np.ndarray] = {
         "one_i32": np.array([1], np.int32), "one_scalar_i32": np.array(1, np.int32),
         "last": np.array([-1], np.int64), "end": np.array([np.iinfo(np.int64).max], np.int64),
@@ -60,10 +62,10 @@ def pad_attention(graph: onnx.GraphProto) -> None:
         out_nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
         return name
 
-    def with_last_row(x: str, axis: str, axis_value: int) -> str:
-        """x with a copy of its last row along `axis` appended."""
-        last = node("Slice", [x, c["last"], c["end"], c[axis]])
-        return node("Concat", [x, last], axis=axis_value)
+    def with_last_row(x: str, axis: int) -> str:
+        """x with a copy of its last row along `axis` (1 or 2) appended."""
+        last = node("Slice", [x, c["last"], c["end"], c[f"axis{axis}"]])
+        return node("Concat", [x, last], axis=axis)
 
     def once(x: str, make) -> str:
         if x not in padded:
@@ -77,14 +79,13 @@ def pad_attention(graph: onnx.GraphProto) -> None:
         inputs = list(gqa.input)
         for i in ROW_INPUTS:
             if inputs[i]:
-                inputs[i] = with_last_row(inputs[i], "axis1", 1)
+                inputs[i] = with_last_row(inputs[i], 1)
         inputs[SEQLENS] = once(inputs[SEQLENS], lambda x: node("Add", [x, c["one_i32"]]))
         inputs[TOTAL] = once(inputs[TOTAL], lambda x: node("Add", [x, c["one_scalar_i32"]]))
-        inputs[POSITIONS] = once(inputs[POSITIONS], lambda x: with_last_row(x, "axis1", 1))
+        inputs[POSITIONS] = once(inputs[POSITIONS], lambda x: with_last_row(x, 1))
         # bias [1, 1, T, S]: a column for the padding key that no real row sees, then the padding
         # row seeing what the last real row sees
-        inputs[BIAS] = once(inputs[BIAS], lambda x: with_last_row(node("Pad", [x, c["pad_col"], c["minf"]]),
-                                                                  "axis2", 2))
+        inputs[BIAS] = once(inputs[BIAS], lambda x: with_last_row(node("Pad", [x, c["pad_col"], c["minf"]]), 2))
         context = gqa.output[0]
         wide = f"{PREFIX}/{gqa.name or 'gqa'}_{count}_context"
         out_nodes.append(helper.make_node(gqa.op_type, inputs, [wide, *gqa.output[1:]], name=gqa.name,
@@ -94,3 +95,4 @@ def pad_attention(graph: onnx.GraphProto) -> None:
                                           name=f"{wide}_rows"))
     graph.ClearField("node")
     graph.node.extend(out_nodes)
+    return True

@@ -48,7 +48,7 @@ from onnx import helper, numpy_helper
 
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import DECODER, FUSED, TARGET, GraphRecord, decoder_graph_name, weights_file
-from .attention_pad import can_pad, pad_attention
+from .attention_pad import pad_attention
 
 WEIGHT_CHOICES = ("float", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -263,9 +263,7 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
             quantized, embedding = quantize_model(float_model, scheme)
             embeddings.add(embedding)
             if pad:
-                pad = can_pad(quantized.graph)
-            if pad:
-                pad_attention(quantized.graph)
+                pad = pad_attention(quantized.graph)
             weights.externalize(quantized, paths[0])
             onnx.save(quantized, str(paths[0]))
             data = paths[0].read_bytes()

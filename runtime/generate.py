@@ -239,8 +239,7 @@ def exact_rows_only(export: LoadedExport) -> bool:
     """Whether only a tree's leading chain may be followed (verify.py, `exact_rows`): a target whose
     graphs quantize activations to int8 (MatMulNBits) turns a tree row's ulp-level difference from
     sequential decoding into whole logits (measured: up to 0.7 on SmolLM2 int8, 3e-5 in float32)."""
-    quantized = export.manifest.quantization
-    return quantized is not None and "target" in quantized["models"]
+    return export.manifest.weight_scheme("target") is not None
 
 
 def in_proposal_order(verdict: Verdict, out: StepOutput, order: tuple[int, ...], size: int) -> tuple:

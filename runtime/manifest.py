@@ -62,6 +62,11 @@ class Manifest:
         """The target's batched fused graph (continuous batching, runtime/batching), if exported."""
         return next(iter(self.graphs_of(DECODER, TARGET, FUSED_BATCHED)), None)
 
+    def weight_scheme(self, model: str) -> dict | None:
+        """The quantization scheme of `model`'s fused graphs (bits, block size, attention_pad ...;
+        export/quantize.py), or None where they are float."""
+        return (self.quantization or {}).get("models", {}).get(model)
+
     def graph_path(self, graph: GraphRecord) -> Path:
         return self.root / graph.file  # kept inside root when the manifest loaded
 

@@ -62,7 +62,7 @@ class OrtDecoder(Decoder):
         super().__init__(record, cache, self.records, manifest.max_context)
         self.flavor = flavor
         if fused:  # an int8 target's attentions carry a padding row (export/attention_pad.py)
-            self.spare = int(((manifest.quantization or {}).get("models", {}).get(model) or {}).get("attention_pad", 0))
+            self.spare = (manifest.weight_scheme(model) or {}).get("attention_pad", 0)
         self.presents = present_names(record.num_layers)
         self.manifest, self.backend, self.threads = manifest, backend, threads
         self.graphs: dict[int, InPlaceGraph | OrtGraph] = OnFirstUse(self._open)

@@ -93,7 +93,7 @@ def batched_graph_path(manifest: Manifest) -> Path:
     """The batched graph's file, as the manifest records it (checksummed and kept inside the
     export when the manifest loaded, like every graph)."""
     record = manifest.batched_graph()
-    quantized = (manifest.quantization or {}).get("models", {}).get(TARGET)
+    quantized = manifest.weight_scheme(TARGET)
     if record is None and quantized:
         raise SpecDeployError(f"{manifest.root} holds the target with {quantized['bits']}-bit weights and no batched "
                               "graph (it is float32, so its rows would not match this export's batch-1 output): "
