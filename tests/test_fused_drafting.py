@@ -96,6 +96,20 @@ def test_greedy_equals_ar_and_hf_within_the_budget(micro_heads, micro_family, me
     assert skipped > 0, method  # and the heads were left out of some steps, then caught up (tokens still equal)
 
 
+def test_a_lazy_fused_method_sizes_its_own_steps(micro_heads):
+    """Lazy (the default), the fused drafter decides per step whether its model part drafts: the
+    step-time policy is off for it (it added plain steps where the host part copies for free);
+    with lazy off the policy is on, as for a model drafter alone."""
+    from specdeploy.runtime.generate import generate
+
+    ids = micro_heads.tokenizer.encode(PROMPTS[0])
+    for lazy in (True, False):
+        got = generate(micro_heads, ids, method="eagle+suffix", max_new_tokens=8, ignore_eos=True,
+                       method_overrides={"lazy": lazy}, adaptive=True)  # (the tests' default is off)
+        assert got.stats["adaptive"] is not lazy, lazy
+        assert got.stats["plain_steps"] == 0 or not lazy
+
+
 @pytest.mark.parametrize("method", FUSED)
 def test_seeded_sampling_prints_ars_tokens(micro_heads, method):
     from specdeploy.runtime.generate import generate

@@ -216,6 +216,11 @@ class FusedDrafter(Drafter):
 
     def __init__(self, config: FusedConfig, parts: list[Drafter], window: int = 0, learned: Learned | None = None):
         self.config, self.parts = config, parts
+        # Lazy, it decides per step whether the model part's drafts pay for their time and rows, and
+        # the merge places only nodes worth their rows: the step-time policy would only add plain steps
+        # where the host part copies for free (repeated requests, 12 prompts x 2 passes: medusa+suffix
+        # 36 and lookahead+suffix 43 plain steps, 0.93x and 0.86x suffix alone)
+        self.sizes_own_rows = config.lazy
         self.window = window  # the model part's auxiliary rows per step it drafts (lookahead's window)
         self.learned = learned or Learned()
         self.name = config.method
