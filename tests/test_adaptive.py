@@ -18,10 +18,13 @@ from specdeploy.runtime.adaptive import (
     Memory,
     Speculated,
 )
+from specdeploy.runtime.drafters.fused import CONFIGS as FUSED_CONFIGS
 from specdeploy.runtime.methods import known_methods
 
 SPECULATIVE = [m for m in known_methods() if m != "ar"]
-SIZES_OWN_ROWS = {"prompt-lookup", "suffix"}  # host drafters that price their rows: no step-time policy
+# host drafters that price their rows, and the fused methods (lazy: they price their model part's drafts
+# per step): no step-time policy
+SIZES_OWN_ROWS = {"prompt-lookup", "suffix"} | {c.method for c in FUSED_CONFIGS}
 
 # ---------------------------------------------------------------- the policy, synthetic clock
 

@@ -20,3 +20,31 @@ def test_trie_merges_shared_prefixes():
     tree, tokens = trie(7, [(1, 2, 3), (1, 2, 4), (5, 6, 7), (1, 2, 3)])
     assert tokens.tolist() == [7, 1, 2, 3, 4, 5, 6, 7]
     assert tree.parents == (-1, 0, 1, 2, 2, 0, 5, 6)
+
+
+def test_after_a_plain_step_the_probe_is_the_candidates_alone():
+    """A plain step leaves the window stale (its outputs are harvested only N-2 steps later), so the
+    next drafting step, the adaptive policy's probe, verifies the pool's candidates without the
+    window's rows; a probe that verified candidates brings the window back."""
+    from specdeploy.runtime.drafters.base import DecodeState, Proposal
+    from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
+    from specdeploy.runtime.sampling import SamplingParams
+    from specdeploy.runtime.verify import Verdict
+
+    la = LookaheadDrafter(window=3, ngram=4, guesses=2)
+    s = DecodeState([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(), np.random.default_rng(0))
+    la.start(s)
+    first = la.propose(s)
+    assert first.aux_tokens is not None and len(first.aux_tokens) == 8  # the window's cells but the root
+    for plain_root in (8, 5):  # a plain step (the root alone), then a probe that finds no candidate
+        s.tokens.append(plain_root)
+        la.update(s, Proposal.root_only(s.tokens[-2]), Verdict([0], plain_root), None)
+    s.tokens.append(6)
+    la.update(s, Proposal.root_only(5), Verdict([0], 6), None)
+    probe = la.propose(s)  # root 6: the pool holds 6 -> (7, 8, 5)
+    assert probe.aux_tokens is None and probe.size == probe.tree.size > 1
+    assert probe.tokens[1:4].tolist() == [7, 8, 5]
+    s.tokens.extend([7, 8])  # the probe verified its candidates: one accepted, the bonus 8
+    la.update(s, probe, Verdict([0, 1], 8), None)
+    back = la.propose(s)
+    assert back.aux_tokens is not None and len(back.aux_tokens) == 8  # the window is back
