@@ -36,11 +36,9 @@ def test_after_a_plain_step_the_probe_is_the_candidates_alone():
     la.start(s)
     first = la.propose(s)
     assert first.aux_tokens is not None and len(first.aux_tokens) == 8  # the window's cells but the root
-    for plain_root in (8, 5):  # a plain step (the root alone), then a probe that finds no candidate
-        s.tokens.append(plain_root)
-        la.update(s, Proposal.root_only(s.tokens[-2]), Verdict([0], plain_root), None)
-    s.tokens.append(6)
-    la.update(s, Proposal.root_only(5), Verdict([0], 6), None)
+    for nxt in (8, 5, 6):  # steps that verified the root alone (plain, or a probe with no candidate)
+        s.tokens.append(nxt)
+        la.update(s, Proposal.root_only(s.tokens[-2]), Verdict([0], nxt), None)
     probe = la.propose(s)  # root 6: the pool holds 6 -> (7, 8, 5)
     assert probe.aux_tokens is None and probe.size == probe.tree.size > 1
     assert probe.tokens[1:4].tolist() == [7, 8, 5]
