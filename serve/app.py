@@ -38,6 +38,7 @@ from .errors import ApiError, bad_request, busy, error_body, internal
 from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
+from .ray_failover import PROXY_BODY_KEY
 from .schemas import ChatRequest, CompletionRequest, parse_json, served_schema, stop_strings, validate
 from .security import AccessGuardMiddleware, ConnectionLimitMiddleware, RequestIdMiddleware
 from .template_sandbox import TemplateFailure, TemplateSandbox, TemplateTimeout
@@ -117,19 +118,27 @@ class Server:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
-        try:
-            raw = await asyncio.wait_for(self._read(request, limit), self.limits.body_timeout_s)
-        except ClientDisconnect:
-            raise _ClientGone() from None
-        except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
-                           None, "request_timeout") from None
+        raw = request.scope.get(PROXY_BODY_KEY)  # read by Ray Serve's proxy (ray_failover.py)
+        if isinstance(raw, bytes):
+            if len(raw) > limit:
+                raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+        else:
+            raw = await self._receive(request, limit)
         data = await run_in_threadpool(parse_json, raw) if len(raw) > THREAD_PARSE_BYTES else parse_json(raw)
         body = validate(schema, data)
         if body.model != self.model_name:
             raise ApiError(404, f"the model '{body.model}' does not exist (this server serves '{self.model_name}')",
                            "model", "model_not_found")
         return body
+
+    async def _receive(self, request: Request, limit: int) -> bytes:
+        try:
+            return await asyncio.wait_for(self._read(request, limit), self.limits.body_timeout_s)
+        except ClientDisconnect:
+            raise _ClientGone() from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                           None, "request_timeout") from None
 
     @staticmethod
     async def _read(request: Request, limit: int) -> bytes:

@@ -9,6 +9,12 @@ the request. Wrapped around the proxy's app, this middleware
   so resending is safe; a client that went away is never resent.
 - ends a stream whose replica died after its headers the way `specdeploy serve` ends a failed
   stream: an OpenAI-style error event, then `data: [DONE]`, then a clean end of the body.
+- reads a generation request's body before handing it to the proxy and sends it inside the
+  request's ASGI scope (PROXY_BODY_KEY; `Server.body` reads it there first). A replica otherwise
+  pulls the body from the proxy's per-request queue, which gives each message once: when a replica
+  died after pulling it, Ray's router can still retry the same request on another replica (a
+  dying replica whose acceptance never arrived), and that replica waited for a body that never
+  came (408 after the body timeout; seen once in CI).
 
 Install it in every proxy with the supported hook, set where the Ray nodes start:
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=specdeploy.serve.ray_failover:proxy_middlewares`
@@ -26,6 +32,12 @@ from .security import GENERATION_PATHS, send_error
 
 log = logging.getLogger("specdeploy.serve")
 
+# The scope key of a generation request's whole body, read by the proxy (app.Server.body reads it first).
+PROXY_BODY_KEY = "specdeploy.body"
+# Pre-read at most this much for this long; a larger or slower body goes the usual way (the replica reads
+# it under its own --max-body-bytes and body timeout), without that protection.
+PREREAD_BYTES = 1 << 20  # ServeLimits' default max_body_bytes
+PREREAD_TIMEOUT_S = 5.0
 ATTEMPTS = 3  # the first try and two resends: two replicas dying under one request is already rare
 RETRY_DELAY_S = 0.25  # doubled per resend: gives the router time to learn about the dead replica
 
@@ -44,13 +56,20 @@ def _is_generation(scope) -> bool:
 
 
 class ReplicaFailover:
-    def __init__(self, app, attempts: int = ATTEMPTS, retry_delay_s: float = RETRY_DELAY_S):
+    def __init__(self, app, attempts: int = ATTEMPTS, retry_delay_s: float = RETRY_DELAY_S,
+                 preread_bytes: int = PREREAD_BYTES, preread_timeout_s: float = PREREAD_TIMEOUT_S):
         self.app, self.attempts, self.retry_delay_s = app, attempts, retry_delay_s
+        self.preread_bytes, self.preread_timeout_s = preread_bytes, preread_timeout_s
 
     async def __call__(self, scope, receive, send):
         if not _is_generation(scope):
             return await self.app(scope, receive, send)
         replay = _Replay(receive)
+        body = await replay.preread(self.preread_bytes, self.preread_timeout_s)
+        if replay.disconnected:
+            return
+        if body is not None:
+            scope = {**scope, PROXY_BODY_KEY: body}
         for attempt in range(self.attempts):
             out = _Watch(send)
             await self.app(scope, replay.receiver(), out)
@@ -90,6 +109,28 @@ class _Replay:
             return message
 
         return receive
+
+    async def preread(self, limit: int, timeout_s: float) -> bytes | None:
+        """The whole body, if it comes within `limit` bytes and `timeout_s`; else None. What was read stays
+        recorded, so every attempt is still sent the same messages."""
+        receive = self.receiver()
+
+        async def read() -> bytes | None:
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None
+                size += len(message.get("body", b""))
+                if size > limit:
+                    return None
+                if not message.get("more_body", False):
+                    return b"".join(m.get("body", b"") for m in self.seen)
+
+        try:
+            return await asyncio.wait_for(read(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
 
 
 class _Watch:

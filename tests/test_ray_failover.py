@@ -1,18 +1,22 @@
-"""ray_failover.ReplicaFailover as a plain ASGI middleware (no Ray): what the proxy sees when a replica dies."""
+"""ray_failover.ReplicaFailover as a plain ASGI middleware (no Ray): what the proxy sees when a replica dies.
+The last test puts the real app (micro export) behind it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-from specdeploy.serve.ray_failover import ReplicaFailover
+import httpx
+import pytest
+
+from specdeploy.serve.ray_failover import PROXY_BODY_KEY, ReplicaFailover
 
 BODY = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
         {"type": "http.request", "body": b'"hi"}', "more_body": False}]
 
 
-def run(app, path="/v1/completions", disconnect_after_body=False):
-    incoming = list(BODY)
+def run(app, path="/v1/completions", disconnect_after_body=False, body=BODY, **failover):
+    incoming = list(body)
     sent = []
 
     async def receive():
@@ -26,7 +30,7 @@ def run(app, path="/v1/completions", disconnect_after_body=False):
         sent.append(message)
 
     scope = {"type": "http", "method": "POST", "path": path, "headers": []}
-    asyncio.run(ReplicaFailover(app, retry_delay_s=0.01)(scope, receive, send))
+    asyncio.run(ReplicaFailover(app, retry_delay_s=0.01, **failover)(scope, receive, send))
     return sent
 
 
@@ -87,3 +91,62 @@ def test_a_client_that_left_is_not_resent_and_other_paths_pass_through():
     assert run(app, disconnect_after_body=True) == [] and len(app.bodies) == 1
     app = Replicas(fail=1)
     assert run(app, path="/health") == [] and len(app.bodies) == 1
+
+
+class RayRetry:
+    """Ray's own retry: the first replica pulled the body from the proxy's queue (each message is given once)
+    and died before its acceptance arrived, so the router sent the same request to `app` on a second
+    replica, whose receive channel never delivers a body again."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+
+        async def drained():
+            await asyncio.sleep(3600)
+
+        await self.app(scope, drained, send)
+
+
+async def answer_from_scope(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": scope[PROXY_BODY_KEY], "more_body": False})
+
+
+def test_the_body_travels_in_the_scope_so_a_retried_replica_has_it():
+    sent = run(RayRetry(answer_from_scope))
+    assert sent[0]["status"] == 200 and sent[1]["body"] == b'{"prompt": "hi"}'
+
+
+def test_a_body_over_the_preread_limit_goes_the_usual_way():
+    app = Replicas(fail=1)
+    sent = run(app, preread_bytes=8)
+    assert app.bodies == [b'{"prompt": "hi"}'] * 2 and sent[0]["status"] == 200
+
+
+@pytest.fixture(scope="module")
+def service(micro_export):
+    from specdeploy.runtime.service import Service
+
+    return Service.load(micro_export, pool_size=1, queue_size=1)
+
+
+def test_the_real_app_answers_a_request_ray_retried(service):
+    """Regression: a request Ray retried on a second replica got 408 ('the request body did not arrive')."""
+    from specdeploy.serve.app import create_app
+    from specdeploy.serve.limits import ServeLimits
+
+    app = create_app(service, model_name="m", limits=ServeLimits(body_timeout_s=1.0))
+    body = {"model": "m", "prompt": "def main():", "max_tokens": 4, "temperature": 0}
+
+    async def post(asgi):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://t") as client:
+            return await client.post("/v1/completions", json=body)
+
+    direct = asyncio.run(post(app))
+    retried = asyncio.run(post(ReplicaFailover(RayRetry(app))))
+    assert direct.status_code == 200 and retried.status_code == 200, retried.text
+    assert retried.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
