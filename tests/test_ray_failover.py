@@ -15,12 +15,14 @@ BODY = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
         {"type": "http.request", "body": b'"hi"}', "more_body": False}]
 
 
-def run(app, path="/v1/completions", disconnect_after_body=False, body=BODY, **failover):
+def run(app, path="/v1/completions", disconnect_after_body=False, body=BODY, chunk_delay_s=0.0, **failover):
     incoming = list(body)
     sent = []
 
     async def receive():
         if incoming:
+            if len(incoming) < len(body):
+                await asyncio.sleep(chunk_delay_s)  # a slow client: each chunk after the first comes late
             return incoming.pop(0)
         if disconnect_after_body:
             return {"type": "http.disconnect"}
@@ -121,9 +123,11 @@ def test_the_body_travels_in_the_scope_so_a_retried_replica_has_it():
     assert sent[0]["status"] == 200 and sent[1]["body"] == b'{"prompt": "hi"}'
 
 
-def test_a_body_over_the_preread_limit_goes_the_usual_way():
+@pytest.mark.parametrize("slow", [{"preread_bytes": 8}, {"preread_timeout_s": 0.05, "chunk_delay_s": 0.2}],
+                         ids=["over the size", "over the time"])
+def test_a_body_past_the_preread_limits_goes_the_usual_way(slow):
     app = Replicas(fail=1)
-    sent = run(app, preread_bytes=8)
+    sent = run(app, **slow)
     assert app.bodies == [b'{"prompt": "hi"}'] * 2 and sent[0]["status"] == 200
 
 
