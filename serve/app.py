@@ -34,7 +34,7 @@ from ..runtime.errors import SpecDeployError
 from ..runtime.pool import BusyError
 from .admission import Admission, Admitted
 from .chat import message_dicts
-from .errors import ApiError, bad_request, busy, error_body, internal
+from .errors import ApiError, bad_request, busy, error_body, internal, too_large
 from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
@@ -117,11 +117,11 @@ class Server:
         limit = self.limits.max_body_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+            raise too_large(limit)
         raw = request.scope.get(PROXY_BODY_KEY)  # read by Ray Serve's proxy (ray_failover.py)
         if isinstance(raw, bytes):
             if len(raw) > limit:
-                raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+                raise too_large(limit)
         else:
             raw = await self._receive(request, limit)
         data = await run_in_threadpool(parse_json, raw) if len(raw) > THREAD_PARSE_BYTES else parse_json(raw)
@@ -146,7 +146,7 @@ class Server:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+                raise too_large(limit)
             raw.append(chunk)
         return b"".join(raw)
 

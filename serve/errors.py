@@ -53,6 +53,10 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return ApiError(400, message, param, code)
 
 
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body over {limit} bytes", None, "request_too_large")
+
+
 def busy(message: str) -> ApiError:
     return ApiError(429, message, None, "server_busy", headers={"Retry-After": "1"})
 
