@@ -13,7 +13,7 @@ Runtime, same thread pool, interleaved rounds): our fused target graph against
 onnxruntime-genai's model of the same target (built by `make peers`). Equal graph times
 put any end-to-end gap in the loops around them.
 
---ops runs the graph our AR step calls (an int4 target's: its T=2 fused graph) under
+--ops runs the graph our AR step calls (its smallest fused target graph) under
 ONNX Runtime's profiler, KV bound in place: ms per call by op type (MatMulNBits, attention,
 norms ...), beside the wall time per call, and the bytes the roofline counts for it.
 """

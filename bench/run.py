@@ -494,8 +494,9 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth, q
 
 def _target_graph(export) -> tuple[Path, int] | None:
     """(graph, tokens) our AR step runs: the smallest fused target decoder if the export has fused
-    graphs (an int4 target's smallest is T=2: one token padded into two rows; an int8 target's is
-    T=1, its attentions padded: export/attention_pad.py), else the smallest portable one."""
+    graphs (a quantized target's is T=1 with its attentions padded, export/attention_pad.py, or T=2
+    at a block whose one-row calls are not row-exact: one token padded into two rows), else the
+    smallest portable one."""
     specs = [spec for spec in (export.manifest.raw.get("graphs") or {}).values()
              if spec.get("model") == "target" and spec.get("kind", "decoder") == "decoder"
              and isinstance(spec.get("tokens"), int)]

@@ -4,9 +4,9 @@ ONNX Runtime's GroupQueryAttention runs another kernel for a single query row th
 or more, and the two differ by ulps (layer 0 of SmolLM2: 6e-8). Under int8 activations
 (MatMulNBits, accuracy level 4) such an ulp can flip a rounding that grows through the layers
 into whole logits, and `ar` (one row a step) would then print other tokens than a method
-verifying k+1 rows. From two rows up every call size gives bit-identical rows, and 8-bit
-MatMulNBits is row-exact across M from one row up (4-bit is not: its single-row kernel sums
-differently, so an int4 target still never runs one-row calls: export/quantize.py).
+verifying k+1 rows. From two rows up every call size gives bit-identical rows, and MatMulNBits
+is row-exact across M from one row up at the default block size (not at larger blocks, whose
+targets never run one-row calls: export/quantize.py, ROW_EXACT_BLOCK).
 
 So each attention gets one more query row than the call has: a copy of the call's last row
 (its q, k and v, at its position), seeing what that row sees. Its context row is dropped

@@ -23,10 +23,12 @@ reference (export/task_check.py). TensorRT's weight-only path is a different gra
 
 Greedy output stays exactly the quantized target's own `ar`: every row must come out the same
 from any call size, and with int8-quantized activations a single-row call does not by itself.
-An int8 target's attentions each get one padding row (export/attention_pad.py: 8-bit
-MatMulNBits is row-exact across M, GroupQueryAttention is not for one row), so it keeps its
-one-row calls; an int4 target's T=1 record becomes T=2 (`_no_single_row_calls`), because 4-bit
-MatMulNBits sums a single row differently too.
+A quantized target's attentions each get one padding row (export/attention_pad.py:
+GroupQueryAttention sums a lone row differently), so it keeps its one-row calls, where its
+MatMulNBits are row-exact too: up to block 32 at 4 bits and block 64 at 8 bits (ROW_EXACT_BLOCK;
+larger blocks take another kernel for one row). A larger block's T=1 record becomes T=2
+(`_no_single_row_calls`). The runtime re-checks this on the machine it runs on
+(runtime/backends/ort_decoder.py) and gives one-row calls a padding row where it does not hold.
 
 Weights once (ARCHITECTURE.md): a model's fused graphs are one file content for every static
 T and share one external-data file. Each distinct content is quantized once, the result is
@@ -60,6 +62,10 @@ SYMMETRIC = False  # a zero point per block: closer than symmetric at int4 for t
 # Q4_K_M keeps its output tensor at higher precision: the logits are what the task check and
 # greedy decoding compare, and on SmolLM2-135M an int4 LM head cost several points of top-1.
 LM_HEAD_BITS = 8
+# bits -> the largest block at which MatMulNBits (accuracy level 4) gives a row the same from a
+# one-row call as from any other (measured on ORT 1.32 with AVX512-VNNI, every SmolLM2 shape and
+# 1-16 rows: larger blocks sum a lone row differently; rows of 2 and more always agree).
+ROW_EXACT_BLOCK = {4: 32, 8: 64}
 METHOD = "matmul_nbits"  # what the manifest says was applied (ORT's MatMulNBitsQuantizer, round to nearest)
 
 
@@ -285,24 +291,25 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
 
 
 def row_exact_matmuls(scheme: WeightScheme) -> bool:
-    """Whether every MatMulNBits of the scheme gives a row the same from one row as from several:
-    8-bit does, 4-bit does not (measured on ORT 1.32, SmolLM2's shapes, 1 and 2 threads)."""
-    return scheme.bits == 8 and scheme.lm_head_bits == 8
+    """Whether every MatMulNBits of the scheme (body and LM head) gives a row the same from one row
+    as from several (ROW_EXACT_BLOCK)."""
+    return all(scheme.block_size <= ROW_EXACT_BLOCK[bits] for bits in (scheme.bits, scheme.lm_head_bits))
 
 
 def _no_single_row_calls(out: Path, graphs: dict[str, GraphRecord], progress) -> None:
-    """An int4 target decodes with its T=2 graph (one real row, one padding row), never T=1.
+    """A target whose MatMulNBits are not row-exact decodes with its T=2 graph (one real row, one
+    padding row), never T=1.
 
     Greedy output must equal the target's own `ar` whatever the call size, so every row must
-    come out the same from any call. GroupQueryAttention (export/attention_pad.py) and 4-bit
-    MatMulNBits take other kernel paths for a single row (ulp-level differences, which float32
+    come out the same from any call. GroupQueryAttention (export/attention_pad.py) and
+    MatMulNBits of a large block take other kernel paths for a single row (ulp-level differences, which float32
     graphs tolerate); with accuracy_level 4 the next MatMulNBits quantizes its activations to
     int8, and a rounding flipped by one ulp grows through the layers to logits differing by
     whole units: `ar` (T=1) and a method verifying at T=k+1 then diverged. From two rows up
     every call size gives bit-identical rows (padding included), so the T=1 record becomes T=2
-    (the same file content). The cost: a padded row through every weight per decode step (10-14%
-    of a step on SmolLM2), and the last position of the context is not decoded (the runtime
-    stops there)."""
+    (the same file content). The cost: a padded row through every weight per decode step (13% of
+    an int4 step on SmolLM2 against the padded attention), and the last position of the context
+    is not decoded (the runtime stops there)."""
     ones = [name for name, g in graphs.items()
             if g.model == TARGET and g.flavor == FUSED and g.kind == DECODER and g.tokens == 1]
     for name in ones:

@@ -133,7 +133,8 @@ class Generation:
             proposal = drafter.propose(state) if speculate else Proposal.root_only(state.tokens[-1])
             self.stats["draft_s"] += time.perf_counter() - td
             room = target.room
-            if room < target.graph_for(1):  # no graph fits (an int4 target's smallest is T=2; int8's keeps a spare)
+            # no graph fits (a padded target keeps a spare; at a large block the smallest is T=2)
+            if room < target.graph_for(1):
                 self.finish_reason = "length"
                 break
             timed = policy is not None

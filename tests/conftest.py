@@ -35,6 +35,17 @@ def micro_family() -> Path:
 
 
 @pytest.fixture(scope="session")
+def micro_with_heads(micro_family) -> Path:
+    """The micro family with its Medusa heads and EAGLE head trained (cached in <family>/medusa, /eagle)."""
+    from specdeploy.train.eagle import build_eagle_head
+    from specdeploy.train.medusa import build_medusa_heads
+
+    build_medusa_heads(micro_family, "micro", progress=lambda msg: None)
+    build_eagle_head(micro_family, "micro", progress=lambda msg: None)
+    return micro_family
+
+
+@pytest.fixture(scope="session")
 def micro_export(micro_family, tmp_path_factory) -> Path:
     """Target + draft of the micro family, exported with the default config.
 

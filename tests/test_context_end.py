@@ -44,19 +44,15 @@ def _export(out, target, config: str, **inputs):
 
 
 @pytest.fixture(scope="module")
-def full(micro_family, tmp_path_factory):
+def full(micro_with_heads, tmp_path_factory):
     """Target + draft + Medusa + EAGLE-2 heads, chunk 48; EAGLE with no static tree and
     top_k 3: no small catch-up graph unless the export adds one."""
     from specdeploy.runtime.loaded_export import LoadedExport
-    from specdeploy.train.eagle import build_eagle_head
-    from specdeploy.train.medusa import build_medusa_heads
 
-    quiet = lambda m: None  # noqa: E731
-    build_eagle_head(micro_family, "micro", progress=quiet)
-    build_medusa_heads(micro_family, "micro", progress=quiet)
-    out = _export(tmp_path_factory.mktemp("context_end") / "full", micro_family / "target",
+    out = _export(tmp_path_factory.mktemp("context_end") / "full", micro_with_heads / "target",
                   f"max_context: {CONTEXT}\nprefill_chunk: 48\nmethods:\n  eagle: {{tree: null, top_k: 3}}\n",
-                  draft=micro_family / "draft", eagle=micro_family / "eagle", medusa=micro_family / "medusa")
+                  draft=micro_with_heads / "draft", eagle=micro_with_heads / "eagle",
+                  medusa=micro_with_heads / "medusa")
     return LoadedExport(out, threads=1)
 
 

@@ -18,18 +18,14 @@ NEW = 24
 
 
 @pytest.fixture(scope="module")
-def micro_heads(micro_family, tmp_path_factory):
+def micro_heads(micro_with_heads, tmp_path_factory):
     """The micro target exported with its EAGLE head and Medusa heads (every fused method)."""
     from specdeploy.export.exporter import export_all
     from specdeploy.runtime.loaded_export import LoadedExport
-    from specdeploy.train.eagle import build_eagle_head
-    from specdeploy.train.medusa import build_medusa_heads
 
     quiet = lambda m: None  # noqa: E731
-    build_medusa_heads(micro_family, "micro", progress=quiet)
-    build_eagle_head(micro_family, "micro", progress=quiet)
-    out = export_all(micro_family / "target", tmp_path_factory.mktemp("fused") / "micro",
-                     medusa=micro_family / "medusa", eagle=micro_family / "eagle", progress=quiet)
+    out = export_all(micro_with_heads / "target", tmp_path_factory.mktemp("fused") / "micro",
+                     medusa=micro_with_heads / "medusa", eagle=micro_with_heads / "eagle", progress=quiet)
     return LoadedExport(out)
 
 

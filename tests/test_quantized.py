@@ -38,10 +38,10 @@ def _export(family: Path, out: Path, check: bool = True, **choices):
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
-def quantized(request, micro_family, tmp_path_factory):
+def quantized(request, micro_with_heads, tmp_path_factory):
     """Target, draft and EAGLE head quantized alike, published after the accuracy check."""
     bits = request.param
-    out, lines = _export(micro_family, tmp_path_factory.mktemp("quantized") / bits, target=bits, draft=bits,
+    out, lines = _export(micro_with_heads, tmp_path_factory.mktemp("quantized") / bits, target=bits, draft=bits,
                          eagle=bits)
     return bits, out, lines
 
@@ -67,9 +67,9 @@ def test_manifest_records_the_scheme_and_only_fused_graphs_change(quantized, mic
         assert scheme["bits"] == int(bits[3:]) and scheme["block_size"] == 32
         assert scheme["lm_head_bits"] == 8  # the LM head stays 8-bit under an int4 body
         assert scheme["embedding"] == "float"  # the micro family's embeddings are untied
-        # an int8 target's attentions carry a padding row (export/attention_pad.py); drafters' rows
-        # only change proposals, and an int4 target runs no one-row call instead
-        assert scheme.get("attention_pad", 0) == (1 if model == "target" and bits == "int8" else 0), model
+        # a quantized target's attentions carry a padding row (export/attention_pad.py); drafters'
+        # rows only change proposals
+        assert scheme.get("attention_pad", 0) == (1 if model == "target" else 0), model
     for name, g in manifest["graphs"].items():
         ops = _ops(out / g["file"])
         if g.get("flavor") == "fused":
@@ -117,33 +117,29 @@ def test_every_method_equals_the_quantized_targets_ar(quantized):
 
 def test_rows_are_identical_from_any_call_size(quantized):
     """Every call size gives bit-identical rows, one-row calls included: what keeps every method
-    equal to ar. An int8 target runs one-row calls, its attentions padded by a row (one spare
-    position); an int4 target runs none (its smallest fused graph is T=2: 4-bit MatMulNBits sums a
-    single row differently)."""
+    equal to ar. A quantized target (block 32) runs one-row calls, its attentions padded by a row
+    (one spare position)."""
     from specdeploy.runtime.loaded_export import LoadedExport
 
     bits, out, _ = quantized
     export = LoadedExport(out)
     target = export.decoder("target")
-    if bits == "int8":
-        assert target.sizes[0] == 1 and target.spare == 1
-    else:
-        assert target.sizes[0] == 2 and 1 not in target.sizes and target.spare == 0
+    assert target.sizes[0] == 1 and target.spare == 1
     assert export.decoder("draft").sizes[0] == 1 and export.decoder("draft").spare == 0  # rows change proposals only
     ids = np.array((export.tokenizer.encode("\n".join(PROMPTS)) * 8)[: 4 + max(target.sizes)])
     target.reset()
     target.prefill(ids[:4], 64)
     calls = {}
-    for t in sorted({1, 2, *target.sizes}):  # t rows (T=1 on int4: padded into its T=2 graph)
+    for t in sorted({1, 2, *target.sizes}):  # t rows
         calls[t] = target.forward(ids[4 : 4 + t], np.arange(4, 4 + t), np.tril(np.ones((t, t), bool))).logits.copy()
     for t, logits in calls.items():  # a causal row depends on the rows before it only
         np.testing.assert_array_equal(logits[: min(t, 2)], calls[2][: min(t, 2)], err_msg=f"T={t}")
 
 
 def test_a_call_never_ends_at_the_context_end(quantized):
-    """A one-row call writes a padding row one position past its token (an int8 target's padded
-    attention, an int4 target's T=2 graph): one before the context end it is refused, never written
-    past the KV buffer (generation stops a position earlier: test_decoding_to_the_context_end)."""
+    """A one-row call writes a padding row one position past its token (the padded attention):
+    one before the context end it is refused, never written past the KV buffer (generation stops
+    a position earlier: test_decoding_to_the_context_end)."""
     from specdeploy.runtime.errors import SpecDeployError
     from specdeploy.runtime.loaded_export import LoadedExport
 
@@ -153,10 +149,62 @@ def test_a_call_never_ends_at_the_context_end(quantized):
     n = target.max_context - 1
     target.prefill(np.zeros(n, np.int64), 64)  # its calls end before the last position
     assert target.cache.length == n
-    # int8: one spare position; int4: the smallest graph holds two rows
-    assert (target.room, target.graph_for(1)) == ((0, 1) if bits == "int8" else (1, 2))
-    with pytest.raises(SpecDeployError, match="less 1 spare" if bits == "int8" else "context full"):
+    assert (target.room, target.graph_for(1)) == (0, 1)  # one spare position
+    with pytest.raises(SpecDeployError, match="less 1 spare"):
         target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
+
+
+def _methods_equal_ar(export) -> list:
+    from specdeploy.runtime.generate import generate
+
+    differ = []
+    for prompt in PROMPTS[:3]:
+        ids = export.tokenizer.encode(prompt)
+        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
+        differ += [(m, prompt) for m in ("draft", "eagle", "prompt-lookup")
+                   if generate(export, ids, method=m, max_new_tokens=NEW, ignore_eos=True).token_ids != ar]
+    return differ
+
+
+def test_a_block_whose_lone_rows_differ_never_runs_one_row_calls(micro_with_heads, tmp_path):
+    """Block 128 (past ROW_EXACT_BLOCK): MatMulNBits sums a lone row differently, so the target's
+    T=1 record becomes T=2 (one padding row through every weight) and its attentions stay unpadded."""
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    out, _ = _export(micro_with_heads, tmp_path / "b128", check=False, target="int4", draft="int4", eagle="int4",
+                     block_size=128)
+    assert "attention_pad" not in _manifest(out)["quantization"]["models"]["target"]
+    export = LoadedExport(out)
+    target = export.decoder("target")
+    assert target.sizes[0] == 2 and target.call_sizes[0] == 2 and target.spare == 0
+    assert not _methods_equal_ar(export)
+
+
+def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_with_heads, tmp_path, monkeypatch):
+    """An export whose one-row calls were row-exact where it was made, loaded on a CPU where they
+    are not (simulated: the table claims block 128 exact, so the export pads attention and keeps
+    T=1): the decoder's load-time probe finds the difference and gives one-row calls a padding
+    row, so every method still equals ar. With the probe answering "exact", a lone row differs."""
+    from specdeploy.export import quantize
+    from specdeploy.runtime.backends.ort_decoder import OrtDecoder
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    monkeypatch.setattr(quantize, "ROW_EXACT_BLOCK", {4: 128, 8: 128})
+    out, _ = _export(micro_with_heads, tmp_path / "claimed", check=False, target="int4", draft="int4", eagle="int4",
+                     block_size=128)
+    monkeypatch.undo()
+    assert _manifest(out)["quantization"]["models"]["target"]["attention_pad"] == 1
+    export = LoadedExport(out)
+    target = export.decoder("target")
+    assert target.sizes[0] == 1 and target.call_sizes[0] == 2  # T=1 exported, refused here
+    assert not _methods_equal_ar(export)
+
+    monkeypatch.setattr(OrtDecoder, "_lone_rows_exact", lambda self: True)
+    unchecked = LoadedExport(out).decoder("target")
+    assert unchecked.call_sizes[0] == 1
+    rows = [unchecked.forward(np.array([5, 6][:n]), np.arange(n), np.tril(np.ones((n, n), bool))).logits[0]
+            for n in (1, 2)]
+    assert not np.array_equal(rows[0], rows[1])
 
 
 def test_a_trees_leading_chain_is_sequential_decoding(quantized, micro_export):
@@ -233,14 +281,14 @@ def _broken(monkeypatch):
     monkeypatch.setattr(quantize, "quantize_model", corrupt)
 
 
-def test_task_check_fails_on_a_corrupted_scale(micro_family, tmp_path, monkeypatch):
+def test_task_check_fails_on_a_corrupted_scale(micro_with_heads, tmp_path, monkeypatch):
     from specdeploy.runtime.errors import SpecDeployError
 
     _broken(monkeypatch)
     with pytest.raises(SpecDeployError, match="task check"):  # the export refuses to publish it
-        _export(micro_family, tmp_path / "refused", target="int4")
+        _export(micro_with_heads, tmp_path / "refused", target="int4")
     assert not (tmp_path / "refused").exists()
-    out, _ = _export(micro_family, tmp_path / "unchecked", check=False, target="int4")
+    out, _ = _export(micro_with_heads, tmp_path / "unchecked", check=False, target="int4")
     proc = run_cli("check", out)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (line,) = [line for line in proc.stdout.splitlines() if "top-1 agreement with float32" in line]
@@ -248,8 +296,8 @@ def test_task_check_fails_on_a_corrupted_scale(micro_family, tmp_path, monkeypat
     assert "below the task-level accuracy thresholds" in proc.stderr
 
 
-def test_models_are_quantized_independently(micro_family, tmp_path):
-    out, _ = _export(micro_family, tmp_path / "draft-only", check=False, target="float", draft="int4")
+def test_models_are_quantized_independently(micro_with_heads, tmp_path):
+    out, _ = _export(micro_with_heads, tmp_path / "draft-only", check=False, target="float", draft="int4")
     manifest = _manifest(out)
     assert list(manifest["quantization"]["models"]) == ["draft"]
     fused = {g["model"]: out / g["file"] for g in manifest["graphs"].values() if g.get("flavor") == "fused"}

@@ -24,6 +24,7 @@ import torch
 
 from ..export.draft_vocab import ids_by_frequency
 from ..export.hf_loading import load_causal_lm, read_hf_config
+from ..export.out_dir import build_lock
 from ..runtime.errors import SpecDeployError
 from . import corpus
 
@@ -227,5 +228,7 @@ def train_for_family(family_dir: Path, what: str, preset: str, presets: dict, tr
         raise SpecDeployError(f"{family_dir} is not a finished family build (no family.json): build the family first")
     target_hash = json.loads(fam_path.read_text()).get("config_hash")
     spec, out = presets[preset], family_dir / what
-    return reuse_or_train(out, spec, target_hash, required, lambda: train(family_dir / "target", out, spec, progress),
-                          progress, f"[{what}] {preset}:")
+    with build_lock(out):  # parallel test workers share build/: one trains, the others wait and reuse
+        return reuse_or_train(out, spec, target_hash, required,
+                              lambda: train(family_dir / "target", out, spec, progress),
+                              progress, f"[{what}] {preset}:")

@@ -61,7 +61,7 @@ class OrtDecoder(Decoder):
         cache = KVCache(record, manifest.max_context, manifest.dtype, in_place=fused)
         super().__init__(record, cache, self.records, manifest.max_context)
         self.flavor = flavor
-        if fused:  # an int8 target's attentions carry a padding row (export/attention_pad.py)
+        if fused:  # a quantized target's attentions carry a padding row (export/attention_pad.py)
             self.spare = (manifest.weight_scheme(model) or {}).get("attention_pad", 0)
         self.presents = present_names(record.num_layers)
         self.manifest, self.backend, self.threads = manifest, backend, threads
@@ -76,6 +76,19 @@ class OrtDecoder(Decoder):
         first = self.graphs[self.sizes[0]]
         if fused and self._one_graph(first):
             self.call_sizes = list(range(self.sizes[0], self.sizes[-1] + 1))
+        if self.spare and self.call_sizes[0] == 1 and not self._lone_rows_exact():
+            # The export measured its kernels row-exact on another CPU (export/quantize.py,
+            # ROW_EXACT_BLOCK); here a one-row call would drift from `ar`'s rows: give it a padding row.
+            self.call_sizes = [t for t in self.call_sizes if t > 1]
+
+    def _lone_rows_exact(self) -> bool:
+        """Whether a one-row call scores its row bit-identically to a two-row call on this machine
+        (what keeps a quantized target's methods equal to its `ar`). Two calls on an empty cache."""
+        tokens = np.array([1, 2], dtype=np.int64)
+        rows = [self.forward(tokens[:n], np.arange(n), np.tril(np.ones((n, n), dtype=bool))).logits[0] for n in (1, 2)]
+        self.reset()
+        self.calls, self.seconds = 0, 0.0
+        return bool(np.array_equal(rows[0], rows[1]))
 
     def _one_graph(self, graph) -> bool:
         """Whether every record of this model is the one dynamic-T graph (one session)."""
