@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the EAGLE head's weights (default: --weights; Medusa heads stay float)")
     e.add_argument("--block-size", type=int, help="input rows per quantization scale: a power of two >= 16 "
                    "(default 32)")
+    e.add_argument("--lm-head-bits", type=int, choices=[4, 8],
+                   help="bits of each quantized model's LM head (and of a tied embedding, which reads it); default 8: "
+                   "on SmolLM2-135M int4, 4 bits made decoding ~10%% faster and cost 5 points of top-1 agreement")
     e.set_defaults(func=cmd_export)
 
     g = sub.add_parser("generate", help="generate text from an export")

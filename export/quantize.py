@@ -100,16 +100,19 @@ class QuantPlan:
     schemes: dict[str, WeightScheme]
 
     @classmethod
-    def from_choices(cls, block_size: int = DEFAULT_BLOCK_SIZE, **choices: str | None) -> QuantPlan | None:
+    def from_choices(cls, block_size: int = DEFAULT_BLOCK_SIZE, lm_head_bits: int = LM_HEAD_BITS,
+                     **choices: str | None) -> QuantPlan | None:
         """`target="int4", draft="int8", eagle="float"`: None when nothing is quantized."""
         check_block_size(block_size)
+        if lm_head_bits not in BITS.values():
+            raise SpecDeployError(f"--lm-head-bits must be 4 or 8 (got {lm_head_bits})")
         schemes = {}
         for model, choice in choices.items():
             if choice is None or choice == "float":
                 continue
             if choice not in BITS:
                 raise SpecDeployError(f"weights for {model}: {choice!r} is not one of {', '.join(WEIGHT_CHOICES)}")
-            schemes[model] = WeightScheme(BITS[choice], block_size)
+            schemes[model] = WeightScheme(BITS[choice], block_size, lm_head_bits=lm_head_bits)
         return cls(schemes) if schemes else None
 
     def check_fused(self, dtype: str, fused: bool) -> None:

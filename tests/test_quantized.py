@@ -386,6 +386,7 @@ def test_cli_refuses_what_it_cannot_quantize(micro_family, tmp_path, capsys):
         (["--weights", "int4", "--no-fused"], "need --dtype float32 and no --no-fused"),
         (["--draft-weights", "int4"], "--draft-weights needs --draft"),
         (["--draft", draft, "--heads-weights", "int4"], "--heads-weights applies to an EAGLE head"),
+        (["--lm-head-bits", "4"], "--lm-head-bits applies to quantized weights"),
     ]
     for extra, message in cases:
         code = main(["export", "--target", str(target), "--out", str(tmp_path / "never"), "--no-check",
@@ -393,6 +394,24 @@ def test_cli_refuses_what_it_cannot_quantize(micro_family, tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and message in err, (extra, err)
         assert not (tmp_path / "never").exists()
+
+
+def test_the_lm_head_bits_are_chosen_on_the_command_line(micro_family, tmp_path):
+    """`--lm-head-bits 4`: the LM head (the widest MatMul) at 4 bits like the body, recorded."""
+    import onnx
+    from onnx import helper
+
+    proc = run_cli("export", "--target", micro_family / "target", "--out", tmp_path / "lm4", "--no-check",
+                   "--weights", "int4", "--lm-head-bits", "4")
+    assert proc.returncode == 0, proc.stderr
+    manifest = _manifest(tmp_path / "lm4")
+    assert manifest["quantization"]["models"]["target"]["lm_head_bits"] == 4
+    fused = next(g["file"] for g in manifest["graphs"].values() if g.get("flavor") == "fused")
+    nodes = [n for n in onnx.load(str(tmp_path / "lm4" / fused), load_external_data=False).graph.node
+             if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    lm = max(attrs, key=lambda a: a["N"])
+    assert lm["N"] == manifest["models"]["target"]["vocab_size"] and {a["bits"] for a in attrs} == {4}
 
 
 def test_manifest_validates_the_scheme(quantized, tmp_path):
