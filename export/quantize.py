@@ -305,8 +305,8 @@ def _no_single_row_calls(out: Path, graphs: dict[str, GraphRecord], progress) ->
 
     Greedy output must equal the target's own `ar` whatever the call size, so every row must
     come out the same from any call. GroupQueryAttention (export/attention_pad.py) and
-    MatMulNBits of a large block take other kernel paths for a single row (ulp-level differences, which float32
-    graphs tolerate); with accuracy_level 4 the next MatMulNBits quantizes its activations to
+    MatMulNBits of a large block take other kernel paths for a single row (ulp-level differences,
+    which float32 graphs tolerate); with accuracy_level 4 the next MatMulNBits quantizes its activations to
     int8, and a rounding flipped by one ulp grows through the layers to logits differing by
     whole units: `ar` (T=1) and a method verifying at T=k+1 then diverged. From two rows up
     every call size gives bit-identical rows (padding included), so the T=1 record becomes T=2
