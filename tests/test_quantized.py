@@ -180,7 +180,8 @@ def test_a_block_whose_lone_rows_differ_never_runs_one_row_calls(micro_with_head
     assert not _methods_equal_ar(export)
 
 
-def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_with_heads, tmp_path, monkeypatch):
+def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_with_heads, tmp_path, monkeypatch,
+                                                                       caplog):
     """An export whose one-row calls were row-exact where it was made, loaded on a CPU where they
     are not (simulated: the table claims block 128 exact, so the export pads attention and keeps
     T=1): the decoder's load-time probe finds the difference and gives one-row calls a padding
@@ -197,6 +198,7 @@ def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_wit
     export = LoadedExport(out)
     target = export.decoder("target")
     assert target.sizes[0] == 1 and target.call_sizes[0] == 2  # T=1 exported, refused here
+    assert "one-row calls take a padding row" in caplog.text  # said once, as a warning
     assert not _methods_equal_ar(export)
 
     monkeypatch.setattr(OrtDecoder, "_lone_rows_exact", lambda self: True)

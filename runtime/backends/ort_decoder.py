@@ -17,6 +17,8 @@ prefilled at T=43 rather than T=64, saves that difference. The bindings share ou
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ..decoder import Decoder, StaticCall, StepOutput
@@ -36,6 +38,8 @@ from ..kv_cache import KVCache
 from ..manifest import Manifest
 from .ort import InPlaceGraph, OrtGraph, open_session
 from .sessions import graph_identity
+
+log = logging.getLogger("specdeploy.runtime")
 
 
 class OnFirstUse(dict):
@@ -80,6 +84,8 @@ class OrtDecoder(Decoder):
             # The export measured its kernels row-exact on another CPU (export/quantize.py,
             # ROW_EXACT_BLOCK); here a one-row call would drift from `ar`'s rows: give it a padding row.
             self.call_sizes = [t for t in self.call_sizes if t > 1]
+            log.warning("%s: this CPU's ONNX Runtime scores a lone row differently from a row among others; "
+                        "one-row calls take a padding row (slower, still exact)", self.what)
 
     def _lone_rows_exact(self) -> bool:
         """Whether a one-row call scores its row bit-identically to a two-row call on this machine
