@@ -13,7 +13,8 @@ Runtime, same thread pool, interleaved rounds): our fused target graph against
 onnxruntime-genai's model of the same target (built by `make peers`). Equal graph times
 put any end-to-end gap in the loops around them.
 
---ops runs the graph our AR step calls (its smallest fused target graph) under
+--ops runs the graph our AR step calls (its smallest fused target graph at that graph's T; where
+the runtime's load check pads one-row calls, runtime/backends/ort_decoder.py, AR runs two rows) under
 ONNX Runtime's profiler, KV bound in place: ms per call by op type (MatMulNBits, attention,
 norms ...), beside the wall time per call, and the bytes the roofline counts for it.
 """

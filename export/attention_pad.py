@@ -32,7 +32,7 @@ ROW_INPUTS = (0, 1, 2)  # [1, T, ...]: one row per query token
 SEQLENS, TOTAL, POSITIONS, BIAS = 5, 6, 9, 10
 
 
-def _can_pad(graph: onnx.GraphProto) -> bool:
+def can_pad(graph: onnx.GraphProto) -> bool:
     """Whether every attention of `graph` takes the inputs the padding rewrites (fused decoders do)."""
     nodes = [n for n in graph.node if n.op_type == GQA]
     return bool(nodes) and all(len(n.input) > BIAS and n.input[BIAS] and n.input[POSITIONS] for n in nodes)
@@ -41,7 +41,7 @@ def _can_pad(graph: onnx.GraphProto) -> bool:
 def pad_attention(graph: onnx.GraphProto) -> bool:
     """Rewrite `graph` in place: every GroupQueryAttention over one more row (module docstring).
     False (nothing changed) where some attention lacks the position ids or bias it pads."""
-    if not _can_pad(graph):
+    if not can_pad(graph):
         return False
     consts: dict[str, np.ndarray] = {
         "one_i32": np.array([1], np.int32), "one_scalar_i32": np.array(1, np.int32),

@@ -90,8 +90,8 @@ def export_lock(out: Path, required: bool = True):
 @contextmanager
 def build_lock(out: Path):
     """Hold .OUT.lock, waiting while another process holds it: builds that reuse a finished `out`
-    (the test family, a converted model; parallel test sessions share build/) wait for the one
-    under way instead of failing."""
+    (the test family, its trained heads, a converted model; parallel test sessions share build/)
+    wait for the one under way instead of failing."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(beside(out, "lock"), "w") as handle:
         if fcntl is not None:

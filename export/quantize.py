@@ -50,7 +50,7 @@ from onnx import helper, numpy_helper
 
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import DECODER, FUSED, TARGET, GraphRecord, decoder_graph_name, weights_file
-from .attention_pad import pad_attention
+from .attention_pad import can_pad, pad_attention
 
 WEIGHT_CHOICES = ("float", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -58,9 +58,10 @@ DEFAULT_BLOCK_SIZE = 32  # input rows per scale: ORT's CPU default; 576 = 18 x 3
 # MLAS computes int8 x int4/int8 (activations quantized per block): the fast path on AVX2/AVX512-VNNI.
 ACCURACY_LEVEL = 4
 SYMMETRIC = False  # a zero point per block: closer than symmetric at int4 for the same bytes
-# The LM head (and a tied embedding reading it) stays 8-bit under an int4 body, as llama.cpp's
-# Q4_K_M keeps its output tensor at higher precision: the logits are what the task check and
-# greedy decoding compare, and on SmolLM2-135M an int4 LM head cost several points of top-1.
+# The LM head (and a tied embedding reading it) stays 8-bit under an int4 body by default
+# (`--lm-head-bits`), as llama.cpp's Q4_K_M keeps its output tensor at higher precision: the logits
+# are what the task check and greedy decoding compare, and on SmolLM2-135M an int4 LM head cost
+# 5 points of top-1.
 LM_HEAD_BITS = 8
 # bits -> the largest block at which MatMulNBits (accuracy level 4) gives a row the same from a
 # one-row call as from any other (measured on ORT 1.32 with AVX512-VNNI, every SmolLM2 shape and
@@ -267,12 +268,13 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
         before = (out / weights_file(model, FUSED)).stat().st_size
         weights = SharedWeights(out, weights_file(model, FUSED))  # truncates the float file: rewritten below
         embeddings = set()
-        pad = model == TARGET and row_exact_matmuls(scheme)
+        # every content padded or none: the manifest's attention_pad speaks for the model
+        pad = model == TARGET and row_exact_matmuls(scheme) and all(can_pad(m.graph) for _, m in loaded)
         for paths, float_model in loaded:
             quantized, embedding = quantize_model(float_model, scheme)
             embeddings.add(embedding)
-            if pad:
-                pad = pad_attention(quantized.graph)
+            if pad and not pad_attention(quantized.graph):
+                raise AssertionError("an attention that can_pad accepted was not padded")
             weights.externalize(quantized, paths[0])
             onnx.save(quantized, str(paths[0]))
             data = paths[0].read_bytes()

@@ -88,9 +88,10 @@ def evaluation_ids(tokenizer, tokens: int, text_file: Path | None = None) -> lis
     return ids
 
 
-def _windows(ids: list[int], max_context: int) -> list[np.ndarray]:
-    """Consecutive windows of the ids (each scored from an empty cache); a last lone token is dropped."""
-    width = min(WINDOW, max_context)
+def _windows(ids: list[int], room: int) -> list[np.ndarray]:
+    """Consecutive windows of the ids (each scored from an empty cache, `room` rows at most: the
+    context less a padded target's spare position); a last lone token is dropped."""
+    width = min(WINDOW, room)
     windows = [np.asarray(ids[s : s + width], np.int64) for s in range(0, len(ids), width)]
     return [w for w in windows if len(w) > 1]
 
@@ -131,7 +132,7 @@ def decoder_task(manifest, model: str, ids: list[int], threads: int | None = Non
     reference = OrtDecoder(manifest, model, "ort-cpu", threads, fused=False)
     quantized = OrtDecoder(manifest, model, "ort-cpu", threads, fused=True)
     agree, nll_f, nll_q = [], [], []
-    for window in _windows(ids, manifest.max_context):
+    for window in _windows(ids, manifest.max_context - quantized.spare):
         top_f, f = _scores(_run(reference, window, manifest.prefill_chunk), window, columns)
         top_q, q = _scores(_run(quantized, window, manifest.prefill_chunk), window, columns)
         agree.append(top_f == top_q)
@@ -157,7 +158,7 @@ def eagle_task(manifest, ids: list[int], threads: int | None = None) -> TaskResu
         raise SpecDeployError("task check: the export has no fused EAGLE head graphs to compare")
     key = "features" if heads[0].version == 3 else "hidden"
     agree = []
-    for window in _windows(ids, manifest.max_context):
+    for window in _windows(ids, manifest.max_context):  # the float32 target: no spare position
         feats = np.concatenate([getattr(s, key) for s in _run(target, window, manifest.prefill_chunk)])
         tokens, feats = window[1:], feats[:-1]  # row p: the token at p + 1 with the features of p
         tops = []

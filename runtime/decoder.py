@@ -9,7 +9,7 @@ and the EAGLE head (drafters/eagle_head.py, whose rows also carry features).
   dynamic-T graph at any T (`call_sizes`; ORT's fused graphs), so calls are not padded;
 * fit(n): (rows, T) of the next call over n pending rows that also fits the room left
   (near the context end a smaller graph over fewer rows; prefill and catch-ups use it);
-* spare: positions a call writes past its own rows (an int8 target's padded attention row,
+* spare: positions a call writes past its own rows (a quantized target's padded attention row,
   export/attention_pad.py): a call must end that many positions before the context end;
 * forward(...): scores n rows after the cached past, padded to T by StaticCall; commits nothing;
 * commit(step, rows): appends the chosen rows of the latest step to the cache;
@@ -200,7 +200,7 @@ class Decoder(StaticDecoder):
         while s < len(tokens):
             call = self.fit(min(chunk, len(tokens) - s))
             if call is None:
-                self._check_room(self.sizes[0])  # raises: not even the smallest graph fits
+                self._check_room(self.call_sizes[0])  # raises: not even the smallest graph fits
             assert call is not None
             n = call[0]
             start = self.cache.length

@@ -146,10 +146,11 @@ def test_a_call_never_ends_at_the_context_end(quantized):
     bits, out, _ = quantized
     target = LoadedExport(out).decoder("target")
     target.reset()
-    n = target.max_context - 1
+    one = target.graph_for(1)  # 1; 2 on a CPU where the load check pads one-row calls
+    n = target.max_context - one
     target.prefill(np.zeros(n, np.int64), 64)  # its calls end before the last position
     assert target.cache.length == n
-    assert (target.room, target.graph_for(1)) == (0, 1)  # one spare position
+    assert target.room == one - 1  # one spare position
     with pytest.raises(SpecDeployError, match="less 1 spare"):
         target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
 
@@ -185,7 +186,7 @@ def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_wit
     """An export whose one-row calls were row-exact where it was made, loaded on a CPU where they
     are not (simulated: the table claims block 128 exact, so the export pads attention and keeps
     T=1): the decoder's load-time probe finds the difference and gives one-row calls a padding
-    row, so every method still equals ar. With the probe answering "exact", a lone row differs."""
+    row, so every method still equals ar."""
     from specdeploy.export import quantize
     from specdeploy.runtime.backends.ort_decoder import OrtDecoder
     from specdeploy.runtime.loaded_export import LoadedExport
@@ -193,20 +194,22 @@ def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_wit
     monkeypatch.setattr(quantize, "ROW_EXACT_BLOCK", {4: 128, 8: 128})
     out, _ = _export(micro_with_heads, tmp_path / "claimed", check=False, target="int4", draft="int4", eagle="int4",
                      block_size=128)
-    monkeypatch.undo()
     assert _manifest(out)["quantization"]["models"]["target"]["attention_pad"] == 1
-    export = LoadedExport(out)
-    target = export.decoder("target")
-    assert target.sizes[0] == 1 and target.call_sizes[0] == 2  # T=1 exported, refused here
-    assert "one-row calls take a padding row" in caplog.text  # said once, as a warning
-    assert not _methods_equal_ar(export)
-
+    # the premise, with the probe answering "exact": on this CPU a lone row does differ
     monkeypatch.setattr(OrtDecoder, "_lone_rows_exact", lambda self: True)
     unchecked = LoadedExport(out).decoder("target")
     assert unchecked.call_sizes[0] == 1
     rows = [unchecked.forward(np.array([5, 6][:n]), np.arange(n), np.tril(np.ones((n, n), bool))).logits[0]
             for n in (1, 2)]
-    assert not np.array_equal(rows[0], rows[1])
+    if np.array_equal(rows[0], rows[1]):
+        pytest.skip("this CPU's MatMulNBits sums a lone row at block 128 as it sums it among others")
+    monkeypatch.undo()
+
+    export = LoadedExport(out)
+    target = export.decoder("target")
+    assert target.sizes[0] == 1 and target.call_sizes[0] == 2  # T=1 exported, refused here
+    assert "one-row calls take a padding row" in caplog.text  # said as a warning
+    assert not _methods_equal_ar(export)
 
 
 def test_a_trees_leading_chain_is_sequential_decoding(quantized, micro_export):
@@ -236,8 +239,8 @@ def test_a_trees_leading_chain_is_sequential_decoding(quantized, micro_export):
 
 
 def test_decoding_to_the_context_end(quantized):
-    """A quantized target stops at the context end ("length") without a one-row graph, every
-    method alike."""
+    """A quantized target stops at the context end ("length") a position early (its calls write
+    one past their rows), every method alike."""
     from specdeploy.runtime.generate import generate
     from specdeploy.runtime.loaded_export import LoadedExport
 
@@ -396,6 +399,23 @@ def test_cli_refuses_what_it_cannot_quantize(micro_family, tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and message in err, (extra, err)
         assert not (tmp_path / "never").exists()
+
+
+def test_the_task_check_fits_a_short_context(micro_with_heads, tmp_path):
+    """The task check scores windows of up to 256 tokens; with a shorter context, a padded
+    target's windows leave its spare position (a window of max_context rows would not fit)."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.export.main import accuracy_check
+    from specdeploy.export.quantize import QuantPlan
+
+    config = tmp_path / "short.yaml"
+    config.write_text("max_context: 96\n")
+    lines: list[str] = []
+    out = export_all(micro_with_heads / "target", tmp_path / "short", config=config, progress=lines.append,
+                     check=accuracy_check(lines.append), quantize=QuantPlan.from_choices(target="int8"))
+    manifest = _manifest(out)
+    assert manifest["max_context"] == 96 and manifest["check"] == "passed"
+    assert manifest["quantization"]["models"]["target"]["attention_pad"] == 1
 
 
 def test_the_lm_head_bits_are_chosen_on_the_command_line(micro_family, tmp_path):

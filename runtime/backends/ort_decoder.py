@@ -40,6 +40,7 @@ from .ort import InPlaceGraph, OrtGraph, open_session
 from .sessions import graph_identity
 
 log = logging.getLogger("specdeploy.runtime")
+_PADDED_ONE_ROW_CALLS: set[str] = set()  # graphs whose one-row calls this process pads (warned once)
 
 
 class OnFirstUse(dict):
@@ -80,12 +81,16 @@ class OrtDecoder(Decoder):
         first = self.graphs[self.sizes[0]]
         if fused and self._one_graph(first):
             self.call_sizes = list(range(self.sizes[0], self.sizes[-1] + 1))
-        if self.spare and self.call_sizes[0] == 1 and not self._lone_rows_exact():
+        if self.spare and self.call_sizes[0] == 1 and len(self.call_sizes) > 1 and self.room >= 2 \
+                and not self._lone_rows_exact():
             # The export measured its kernels row-exact on another CPU (export/quantize.py,
             # ROW_EXACT_BLOCK); here a one-row call would drift from `ar`'s rows: give it a padding row.
             self.call_sizes = [t for t in self.call_sizes if t > 1]
-            log.warning("%s: this CPU's ONNX Runtime scores a lone row differently from a row among others; "
-                        "one-row calls take a padding row (slower, still exact)", self.what)
+            path = str(manifest.graph_path(self.records[self.sizes[0]]))
+            if path not in _PADDED_ONE_ROW_CALLS:  # once per graph and process, not per pool instance
+                _PADDED_ONE_ROW_CALLS.add(path)
+                log.warning("%s: this CPU's ONNX Runtime scores a lone row differently from a row among others; "
+                            "one-row calls take a padding row (slower, still exact)", self.what)
 
     def _lone_rows_exact(self) -> bool:
         """Whether a one-row call scores its row bit-identically to a two-row call on this machine
