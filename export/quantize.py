@@ -305,16 +305,16 @@ def _no_single_row_calls(out: Path, graphs: dict[str, GraphRecord], progress) ->
     """A target whose MatMulNBits are not row-exact decodes with its T=2 graph (one real row, one
     padding row), never T=1.
 
-    Greedy output must equal the target's own `ar` whatever the call size, so every row must
-    come out the same from any call. GroupQueryAttention (export/attention_pad.py) and
-    MatMulNBits of a large block take other kernel paths for a single row (ulp-level differences,
-    which float32 graphs tolerate); with accuracy_level 4 the next MatMulNBits quantizes its activations to
-    int8, and a rounding flipped by one ulp grows through the layers to logits differing by
-    whole units: `ar` (T=1) and a method verifying at T=k+1 then diverged. From two rows up
-    every call size gives bit-identical rows (padding included), so the T=1 record becomes T=2
-    (the same file content). The cost: a padded row through every weight per decode step (13% of
-    an int4 step on SmolLM2 against the padded attention), and the last position of the context
-    is not decoded (the runtime stops there)."""
+    Greedy output must equal the target's own `ar` whatever the call size, so every row must come
+    out the same from any call. GroupQueryAttention (export/attention_pad.py) and MatMulNBits of a
+    large block take other kernel paths for a single row (ulp-level differences, which float32
+    graphs tolerate); with accuracy_level 4 the next MatMulNBits quantizes its activations to int8,
+    and a rounding flipped by one ulp grows through the layers to logits differing by whole units:
+    `ar` (T=1) and a method verifying at T=k+1 then diverged. From two rows up every call size gives
+    bit-identical rows (padding included), so the T=1 record becomes T=2 (the same file content).
+    The cost: a padded row through every weight per decode step (13% of an int4 step on SmolLM2
+    against the padded attention), and the last position of the context is not decoded (the runtime
+    stops there)."""
     ones = [name for name, g in graphs.items()
             if g.model == TARGET and g.flavor == FUSED and g.kind == DECODER and g.tokens == 1]
     for name in ones:

@@ -96,8 +96,20 @@ def test_weights_stay_once_per_model(quantized):
         "target.bin", "target.fused.bin", "draft.bin", "draft.fused.bin", "eagle.bin", "eagle.fused.bin", "medusa.bin"}
 
 
-def test_every_method_equals_the_quantized_targets_ar(quantized):
+def _methods_differing_from_ar(export, methods, prompts=PROMPTS) -> list:
+    """(method, prompt) pairs whose greedy tokens are not the export's own `ar`'s."""
     from specdeploy.runtime.generate import generate
+
+    differ = []
+    for prompt in prompts:
+        ids = export.tokenizer.encode(prompt)
+        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
+        differ += [(m, prompt) for m in methods
+                   if generate(export, ids, method=m, max_new_tokens=NEW, ignore_eos=True).token_ids != ar]
+    return differ
+
+
+def test_every_method_equals_the_quantized_targets_ar(quantized):
     from specdeploy.runtime.loaded_export import LoadedExport
 
     _, out, _ = quantized
@@ -105,14 +117,7 @@ def test_every_method_equals_the_quantized_targets_ar(quantized):
     assert export.decoder("target").fused  # the quantized graphs are what runs
     methods = [m for m in export.methods if m != "ar"]
     assert {"draft", "eagle", "medusa", "prompt-lookup", "lookahead", "suffix"} <= set(methods)
-    differ = []
-    for prompt in PROMPTS:
-        ids = export.tokenizer.encode(prompt)
-        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
-        for method in methods:
-            if generate(export, ids, method=method, max_new_tokens=NEW, ignore_eos=True).token_ids != ar:
-                differ.append((method, prompt))
-    assert not differ
+    assert not _methods_differing_from_ar(export, methods)
 
 
 def test_rows_are_identical_from_any_call_size(quantized):
@@ -155,16 +160,7 @@ def test_a_call_never_ends_at_the_context_end(quantized):
         target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
 
 
-def _methods_equal_ar(export) -> list:
-    from specdeploy.runtime.generate import generate
-
-    differ = []
-    for prompt in PROMPTS[:3]:
-        ids = export.tokenizer.encode(prompt)
-        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
-        differ += [(m, prompt) for m in ("draft", "eagle", "prompt-lookup")
-                   if generate(export, ids, method=m, max_new_tokens=NEW, ignore_eos=True).token_ids != ar]
-    return differ
+ONE_ROW_METHODS = ("draft", "eagle", "prompt-lookup")  # a model drafter, a tree, a host drafter
 
 
 def test_a_block_whose_lone_rows_differ_never_runs_one_row_calls(micro_with_heads, tmp_path):
@@ -178,7 +174,7 @@ def test_a_block_whose_lone_rows_differ_never_runs_one_row_calls(micro_with_head
     export = LoadedExport(out)
     target = export.decoder("target")
     assert target.sizes[0] == 2 and target.call_sizes[0] == 2 and target.spare == 0
-    assert not _methods_equal_ar(export)
+    assert not _methods_differing_from_ar(export, ONE_ROW_METHODS, PROMPTS[:3])
 
 
 def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_with_heads, tmp_path, monkeypatch,
@@ -209,7 +205,7 @@ def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_wit
     target = export.decoder("target")
     assert target.sizes[0] == 1 and target.call_sizes[0] == 2  # T=1 exported, refused here
     assert "one-row calls take a padding row" in caplog.text  # said as a warning
-    assert not _methods_equal_ar(export)
+    assert not _methods_differing_from_ar(export, ONE_ROW_METHODS, PROMPTS[:3])
 
 
 def test_a_trees_leading_chain_is_sequential_decoding(quantized, micro_export):
@@ -401,7 +397,7 @@ def test_cli_refuses_what_it_cannot_quantize(micro_family, tmp_path, capsys):
         assert not (tmp_path / "never").exists()
 
 
-def test_the_task_check_fits_a_short_context(micro_with_heads, tmp_path):
+def test_the_task_check_fits_a_short_context(micro_family, tmp_path):
     """The task check scores windows of up to 256 tokens; with a shorter context, a padded
     target's windows leave its spare position (a window of max_context rows would not fit)."""
     from specdeploy.export.exporter import export_all
@@ -411,7 +407,7 @@ def test_the_task_check_fits_a_short_context(micro_with_heads, tmp_path):
     config = tmp_path / "short.yaml"
     config.write_text("max_context: 96\n")
     lines: list[str] = []
-    out = export_all(micro_with_heads / "target", tmp_path / "short", config=config, progress=lines.append,
+    out = export_all(micro_family / "target", tmp_path / "short", config=config, progress=lines.append,
                      check=accuracy_check(lines.append), quantize=QuantPlan.from_choices(target="int8"))
     manifest = _manifest(out)
     assert manifest["max_context"] == 96 and manifest["check"] == "passed"
