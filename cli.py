@@ -18,6 +18,24 @@ def _ids(text: str) -> list[int]:
         raise SpecDeployError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _text(value: str | None, option: str) -> str | None:
+    """A text option as the tokenizer can take it (bytes that are not UTF-8 reach argv as lone surrogates)."""
+    from .runtime.tokenizer import check_text
+
+    return None if value is None else check_text(value, option)
+
+
+def _prompt_ids(export, args) -> list[int]:
+    """The prompt of `generate`/`demo`: --chat [--system], --prompt-ids or --prompt."""
+    if args.system is not None and args.chat is None:
+        raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
+    if args.chat is not None:
+        return _chat_ids(export, _text(args.chat, "--chat"), _text(args.system, "--system"))
+    if getattr(args, "prompt_ids", None) is not None:
+        return _ids(args.prompt_ids)
+    return export.tokenizer.encode(_text(args.prompt, "--prompt"))
+
+
 def _method_params(items: list[str] | None) -> dict:
     """`--param k=8 --param mode=eagle1` -> {"k": 8, "mode": "eagle1"}: values read as YAML, as in a
     config file (the method's config validates them)."""
@@ -62,12 +80,7 @@ def cmd_generate(args) -> int:
     use_shared_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.sampling)
     export = LoadedExport(args.out, backend=args.backend, flavor=args.graphs)
-    if args.system is not None and args.chat is None:
-        raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
-    if args.chat is not None:
-        ids = _chat_ids(export, args.chat, args.system)
-    else:
-        ids = _ids(args.prompt_ids) if args.prompt_ids is not None else export.tokenizer.encode(args.prompt)
+    ids = _prompt_ids(export, args)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
                      stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param),
                      adaptive=args.adaptive)
@@ -97,7 +110,7 @@ def cmd_demo(args) -> int:
         raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
     use_shared_threads(args.threads)
     export = LoadedExport(args.out)
-    ids = _chat_ids(export, args.chat, args.system) if args.chat is not None else export.tokenizer.encode(args.prompt)
+    ids = _prompt_ids(export, args)
     methods = args.methods.split(",") if args.methods else list(export.manifest.methods)
     methods = ["ar"] + [m for m in methods if m != "ar"]  # the reference every method must match
 

@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import SpecDeployError
+from .tokenizer import check_text
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -140,4 +141,5 @@ def _generation_extension():
 
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of a rendered chat prompt: the template already wrote BOS and the like, so no more are added."""
+    text = check_text(text, "the rendered chat prompt")
     return tokenizer.tok.encode_batch([text], add_special_tokens=False)[0].ids  # releases the GIL (see encode)

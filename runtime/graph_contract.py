@@ -137,6 +137,27 @@ def eagle_draft_io(num_layers: int, flavor: str = PORTABLE) -> GraphIO:
 MEDUSA_HEADS_IO = GraphIO((HIDDEN,), (TOPK_IDS, TOPK_LOGPROBS))
 
 
+def decoder_mismatch(file: str, model: ModelRecord, inputs: list[str], logits_width) -> str | None:
+    """How a decoder graph, as its session describes it (input names, the logits' last dimension),
+    disagrees with the manifest's record of its model; None when it does not. A manifest edited or
+    mixed up after export would otherwise fail inside ONNX Runtime ("Missing Input: past_key.2") or,
+    worse, accept token ids the graph has no logits for."""
+    pasts = {name for name in inputs if is_past(name)}
+    want = set(past_names(model.num_layers))
+    if pasts != want:
+        count = len({kv.layer for kv in map(parse_kv_name, pasts) if kv is not None})
+        if count and pasts == set(past_names(count)):
+            return (f"{file} expects {count} layers' KV (past_key.0..{count - 1}) but the manifest says "
+                    f"{model.num_layers}: re-export")
+        odd = ", ".join(sorted(pasts ^ want)[:4])
+        return f"{file}'s KV inputs do not match the manifest's {model.num_layers} layers ({odd}...): re-export"
+    width = model.extra.get("draft_vocab_size") or model.vocab_size  # a draft's reduced LM head
+    if isinstance(logits_width, int) and logits_width != width:
+        return (f"{file} scores {logits_width} tokens per row but the manifest says the vocabulary has {width}: "
+                "re-export")
+    return None
+
+
 def graph_io(kind: str, num_layers: int = 0, features: bool = False, flavor: str = PORTABLE) -> GraphIO:
     if kind == DECODER:
         return decoder_io(num_layers, features, flavor)

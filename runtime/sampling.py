@@ -36,8 +36,9 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SpecDeployError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
-            raise SpecDeployError(f"top_p must be in (0, 1], got {p!r}")
+        # 0 keeps the most probable token only (as in transformers and the OpenAI API)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 <= p <= 1:
+            raise SpecDeployError(f"top_p must be in [0, 1], got {p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SpecDeployError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.seed is not None and self.seed >= 2**64:
@@ -51,16 +52,20 @@ class SamplingParams:
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
         """The distribution to sample from: temperature, then top-k, then top-p (float64)."""
-        z = logits.astype(np.float64) / self.temperature
+        z = logits.astype(np.float64)
+        # The max first, then the temperature: a vanishing temperature sends every other logit to
+        # -inf (greedy in the limit) instead of overflowing all of them to inf (inf - inf = NaN).
+        with np.errstate(over="ignore"):
+            z = (z - z.max()) / self.temperature
         if self.top_k and self.top_k < z.shape[-1]:
             kth = np.partition(z, -self.top_k)[-self.top_k]
             z = np.where(z >= kth, z, -np.inf)
-        z = np.exp(z - z.max())
+        z = np.exp(z)
         p = z / z.sum()
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")
             cum = np.cumsum(p[order])
-            keep = int(np.searchsorted(cum, self.top_p)) + 1  # smallest prefix reaching top_p
+            keep = int(np.searchsorted(cum, self.top_p)) + 1  # smallest prefix reaching top_p (0: the top token)
             filtered = np.zeros_like(p)
             filtered[order[:keep]] = p[order[:keep]]
             p = filtered / filtered.sum()

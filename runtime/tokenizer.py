@@ -7,6 +7,24 @@ from pathlib import Path
 from .errors import SpecDeployError
 
 
+def check_text(text: str, what: str) -> str:
+    """`text`, if the tokenizer can take it: lone surrogates (Python's stand-ins for bytes that were
+    not UTF-8, as argv and surrogateescape decode them, or JSON's "\\ud800") are no text, and the
+    tokenizers library refuses them with a TypeError. `what` names the text in the error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SpecDeployError(f"{what} is not valid UTF-8 text ({bad_char(text[exc.start])} at character "
+                              f"{exc.start})") from None
+    return text
+
+
+def bad_char(char: str) -> str:
+    code = ord(char)
+    # surrogateescape maps an undecodable byte b to U+DC00 + b
+    return f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+
+
 class TextTokenizer:
     def __init__(self, directory: Path):
         from tokenizers import Tokenizer
@@ -27,7 +45,7 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         """As the model's own tokenizer does by default (its post-processor decides BOS). A batch of one:
         `encode_batch` releases the GIL, `encode` would hold it (and a server's event loop) throughout."""
-        return self.tok.encode_batch([text], add_special_tokens=True)[0].ids
+        return self.tok.encode_batch([check_text(text, "the text")], add_special_tokens=True)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

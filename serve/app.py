@@ -34,7 +34,7 @@ from ..runtime.errors import SpecDeployError
 from ..runtime.pool import BusyError
 from .admission import Admission, Admitted
 from .chat import message_dicts
-from .errors import ApiError, bad_request, busy, error_body, internal, too_large
+from .errors import ApiError, InternalErrorMiddleware, bad_request, busy, error_body, internal, too_large
 from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
@@ -432,7 +432,8 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
     app = FastAPI(title="specdeploy", version="1", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
     # Outermost first at run time: request id, CORS (answers preflights), metrics (counts refusals too),
-    # connection limit, guard.
+    # connection limit, guard, our faults (a JSON 500 that all the others see).
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(AccessGuardMiddleware, api_key=api_key, allowed_origins=list(allowed_origins or []))
     app.add_middleware(ConnectionLimitMiddleware, limit=server.connection_limit)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -457,8 +458,9 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
+        # A fault in a middleware outside InternalErrorMiddleware: Starlette re-raises it after this
+        # answer, and uvicorn logs its traceback (once).
         request_id = request.scope.get("state", {}).get("request_id")
-        log.error("request %s: internal error on %s", request_id, request.url.path, exc_info=exc)
         return internal(f"internal server error (request id {request_id}; details in the server log)").response()
 
     @app.get("/health")

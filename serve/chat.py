@@ -22,6 +22,11 @@ def message_dicts(messages) -> list[dict]:
                                       f"messages[{i}].content[{j}]", "unsupported_content")
                 texts.append(part["text"])
             content = "".join(texts)
+        elif content is None and msg.role != "assistant":  # only an assistant turn (a tool call) may have none
+            given = "content" in msg.model_fields_set
+            raise bad_request(f"a '{msg.role}' message needs 'content' (a string or a list of text parts)"
+                              f"{', not null' if given else ''}", f"messages[{i}].content",
+                              "invalid_type" if given else "missing_required_parameter")
         elif content is not None and not isinstance(content, str):
             raise bad_request("message content must be a string or a list of text parts",
                               f"messages[{i}].content", "invalid_type")

@@ -7,10 +7,13 @@ down to their last component before a message leaves the server.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 from fastapi.responses import JSONResponse
+
+log = logging.getLogger("specdeploy.serve")
 
 TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
 _ABSOLUTE_PATH = re.compile(r"(?<![\w/.~-])/[^\s'\"`,;:()\[\]{}<>]+")
@@ -35,7 +38,14 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": strip_paths(message), "type": error_type(status), "param": param, "code": code}}
+    message = text(strip_paths(message))
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def text(message: str) -> str:
+    """`message` as it can be sent: a lone surrogate echoed from a request (JSON's "\\ud800") would make the
+    UTF-8 response fail to render, so it is written as its escape."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def strip_paths(message: str) -> str:
@@ -63,3 +73,34 @@ def busy(message: str) -> ApiError:
 
 def internal(message: str = "internal server error", code: str = "internal_error") -> ApiError:
     return ApiError(500, message, None, code)
+
+
+class InternalErrorMiddleware:
+    """Our own faults (an exception no handler answered): one traceback in the log, with the request id,
+    and a JSON 500. Innermost of our middlewares and not re-raised: re-raised, Starlette's outermost
+    error middleware would answer outside them (no request id, logged as no response) and uvicorn
+    would log the traceback a second time ("Exception in ASGI application")."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = [False]
+
+        async def send_tracked(message):
+            started[0] = started[0] or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            state = scope.setdefault("state", {})
+            request_id = state.get("request_id")
+            log.error("request %s: internal error on %s", request_id, scope.get("path"), exc_info=exc)
+            if started[0]:  # the status is out: the client sees the response end early
+                state["outcome"] = 500
+                return
+            message = f"internal server error (request id {request_id}; details in the server log)"
+            await internal(message).response()(scope, receive, send)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -21,6 +22,28 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything says it serves (uvicorn would start the app, then fail
+    to bind): a port in use or an address not of this machine is one clear error. uvicorn then serves
+    on this socket, so no other process can take the port in between."""
+    address = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts reuse TIME_WAIT ports
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise SpecDeployError(f"cannot listen on {host}:{port}: {reason[:1].lower()}{reason[1:]}") from None
+    return sock
+
+
+def _warn_if_open(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        print(f"warning: serving on {host}, beyond this machine, without an API key: anyone who can reach "
+              f"the port can run generations (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
 
 
 def run_server(args) -> int:
@@ -52,9 +75,6 @@ def run_server(args) -> int:
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
     if "*" in origins:
         raise SpecDeployError("--allowed-origins takes explicit origins (https://app.example.com), not '*'")
-    if not is_loopback(args.host) and not api_key:
-        print(f"warning: serving on {args.host}, beyond this machine, without an API key: anyone who can reach "
-              f"the port can run generations (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
     ray_only = getattr(args, "replicas", None) is not None or getattr(args, "autoscale", None)
     if ray_only and not getattr(args, "ray", False):
         raise SpecDeployError("--replicas and --autoscale are Ray Serve options: add --ray")
@@ -64,9 +84,13 @@ def run_server(args) -> int:
 
         # Bad input fails here, once, rather than in every replica.
         limits.model_len(load_manifest(args.out, verify_checksums=False).max_context)
+        _warn_if_open(args.host, api_key)
         return run_ray(args, limits, api_key, origins)
     from ..runtime.backends import use_shared_threads
 
+    sock = listen(args.host, args.port)  # before loading: a busy port fails at once
+    _warn_if_open(args.host, api_key)
+    port = sock.getsockname()[1]  # --port 0: the one the OS chose
     use_shared_threads(args.threads)  # our own process: one pool for every worker's sessions
     service = Service.load(args.out, pool_size=args.pool_size, queue_size=args.queue,
                            queue_timeout=args.queue_timeout, backend=args.backend, threads=args.threads,
@@ -74,14 +98,23 @@ def run_server(args) -> int:
     app = create_app(service, model_name=args.model_name, limits=limits, api_key=api_key, allowed_origins=origins)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = app.state.server
-    print(f"serving '{server.model_name}' from {args.out} on http://{args.host}:{args.port} "
+    print(f"serving '{server.model_name}' from {args.out} on http://{args.host}:{port} "
           f"(methods {', '.join(service.methods)}; default {service.default_method}; "
           f"{service.pool.size} workers, queue {service.pool.queue_size}, "
           f"{server.admission.limit} requests in flight, context {server.model_len}; "
           f"API key {'required' if api_key else 'not set'})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=5,
-                limit_concurrency=uvicorn_limit(server.connection_limit))  # the app answers first, in JSON
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=5,
+                            limit_concurrency=uvicorn_limit(server.connection_limit))  # the app answers first, in JSON
+    served = uvicorn.Server(config)
+    try:
+        served.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal (as uvicorn.run, quietly)
+        pass
+    finally:
+        sock.close()
+    if not served.started:
+        raise SpecDeployError("the server failed to start (see the log above)")
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..runtime.tokenizer import bad_char
 from .errors import ApiError, bad_request
 
 MAX_JSON_DEPTH = 64  # a real request nests 5 deep; deeper only costs recursion (and a RecursionError)
@@ -29,14 +30,14 @@ class _Common(BaseModel):
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)  # 0: the most probable token only
     n: Optional[int] = Field(None, ge=1)
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     # Fields typed Any are checked by hand for a clear message; their OpenAPI schema says what is accepted.
     stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "null"},
                                                           {"type": "array", "items": {"type": "string"}}]})
-    seed: Optional[int] = Field(None, ge=0)
+    seed: Optional[int] = Field(None, ge=0, lt=2**64)  # a Philox key (runtime/sampling.py)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: Optional[dict] = None
@@ -68,9 +69,13 @@ class CompletionRequest(_Common):
                                         ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))]
 
 
+# OpenAI's roles (function, deprecated, aside); the chat template decides what it renders of them.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "null"}, {
         "type": "array", "items": {"type": "object", "required": ["type", "text"],
                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})
@@ -135,7 +140,34 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
     if _deeper_than(data, MAX_JSON_DEPTH):
         raise too_deep
+    _check_text(data)
     return data
+
+
+def _check_text(data: Any) -> None:
+    """Every string of the body (keys included) must be text: JSON can escape a lone surrogate
+    ("\\ud800"), which no tokenizer, template process or response can encode. One check here for every
+    field, named as validation errors name them."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise bad_request(f"invalid '{path}': not valid UTF-8 text ({bad_char(item[exc.start])} at "
+                                  f"character {exc.start})", path or None) from None
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                child = f"{path}.{key}" if path else key
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise bad_request(f"a key of '{path or 'the request body'}' is not valid UTF-8 text",
+                                      path or None) from None
+                stack.append((value, child))
+        elif isinstance(item, list):
+            stack.extend((value, f"{path}[{i}]") for i, value in enumerate(item))
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

@@ -151,7 +151,7 @@ def test_prompt_longer_than_context(micro_export):
 @pytest.mark.parametrize("flags,needle", [
     (["--temperature", "-1"], "temperature"),
     (["--temperature", "nan"], "temperature"),
-    (["--top-p", "0"], "top_p"),
+    (["--top-p", "-0.5"], "top_p"),
     (["--top-p", "1.5"], "top_p"),
     (["--top-k", "-2"], "top_k"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
@@ -186,3 +186,37 @@ def test_check_fails_on_tampered_reference(broken_copy):
     proc = run_cli("check", broken_copy)
     assert proc.returncode != 0
     assert "FAIL target_t1" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, option", [
+    (["--prompt", "\udcff\udcfe bad"], "--prompt"),  # the bytes ff fe, as Python's argv holds them
+    (["--chat", "hi \udcff"], "--chat"),
+    (["--chat", "hi", "--system", "\udcc3"], "--system"),
+])
+def test_text_that_is_not_utf8(micro_export, flags, option):
+    proc = run_cli("generate", micro_export, *flags, "--max-new-tokens", "4")
+    assert proc.returncode == 2
+    assert_clean_error(proc, f"{option} is not valid UTF-8 text", "byte 0x")
+
+
+@pytest.mark.parametrize("graphs", ["fused", "portable"])
+def test_manifest_that_disagrees_with_its_graphs(broken_copy, graphs):
+    """A manifest edited (or mixed up) after export is named when its graphs open, not by ONNX Runtime."""
+    manifest_path = broken_copy / "manifest.json"
+    original = json.loads(manifest_path.read_text())
+    layers = original["models"]["target"]["num_layers"]
+    vocab = original["models"]["target"]["vocab_size"]
+    flavor = "fused_" if graphs == "fused" else ""
+    for key, value, prompt, needles in [
+        ("num_layers", 1, "1,2", [f"target_{flavor}t1.onnx expects {layers} layers' KV", "manifest says 1"]),
+        # an id the manifest's vocabulary has and the graph does not: refused at load, not scored
+        ("vocab_size", vocab + 100, f"1,{vocab + 50}",
+         [f"target_{flavor}t1.onnx scores {vocab} tokens", f"has {vocab + 100}"]),
+    ]:
+        edited = json.loads(json.dumps(original))
+        edited["models"]["target"][key] = value
+        manifest_path.write_text(json.dumps(edited))
+        proc = run_cli("generate", broken_copy, "--graphs", graphs, "--prompt-ids", prompt,
+                       "--max-new-tokens", "4")
+        assert proc.returncode == 2
+        assert_clean_error(proc, *needles, "re-export")

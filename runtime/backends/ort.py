@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecDeployError
-from ..graph_contract import LOGIT_ROWS, TOKENS_DIM, parse_kv_name, present_of
+from ..graph_contract import LOGIT_ROWS, LOGITS, TOKENS_DIM, GraphRecord, decoder_mismatch, parse_kv_name, present_of
 from .sessions import shared_session
 
 ORT_PROVIDERS = {
@@ -96,6 +96,20 @@ def open_session(path: Path, backend: str, threads: int | None, providers: list 
             raise SpecDeployError(f"could not load graph {path}: {str(exc).splitlines()[0][:300]}") from None
 
     return shared_session(path, (repr(providers), threads, _THREADING), new_session)
+
+
+def open_decoder_session(manifest, record: GraphRecord, backend: str, threads: int | None,
+                         providers: list | None = None):
+    """`open_session` for a decoder graph the manifest describes, checked against that description
+    when it opens (session metadata only: its KV inputs and logits width)."""
+    path = manifest.graph_path(record)
+    session = open_session(path, backend, threads, providers)
+    logits = next((o.shape for o in session.get_outputs() if o.name == LOGITS), [None])
+    problem = decoder_mismatch(path.name, manifest.models[record.model], [i.name for i in session.get_inputs()],
+                               logits[-1])
+    if problem:
+        raise SpecDeployError(problem)
+    return session
 
 
 class OrtGraph:

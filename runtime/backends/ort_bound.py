@@ -38,7 +38,7 @@ from ..graph_contract import (
 from ..manifest import Manifest
 from .device_decoder import DeviceDecoder
 from .device_memory import CudaMemory, HostMemory, cuda_unavailable_reason
-from .ort import ORT_PROVIDERS, open_session
+from .ort import ORT_PROVIDERS, open_decoder_session
 from .ort_decoder import OnFirstUse
 from .trt_profiles import graph_profile
 
@@ -86,7 +86,7 @@ class OrtBoundDecoder(DeviceDecoder):
         if self.backend == "ort-trt":
             providers[0] = (providers[0], _trt_ep_options(self.manifest, g, self.manifest.root))
         path = self.manifest.graph_path(g)
-        sess = open_session(path, self.backend, self.threads, providers)
+        sess = open_decoder_session(self.manifest, g, self.backend, self.threads, providers)
         wanted = ORT_PROVIDERS[self.backend][0]
         if wanted not in sess.get_providers():
             # ORT falls back to CPU when a GPU provider fails to load; device pointers would then be wrong.

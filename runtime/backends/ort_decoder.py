@@ -36,7 +36,7 @@ from ..graph_contract import (
 )
 from ..kv_cache import KVCache
 from ..manifest import Manifest
-from .ort import InPlaceGraph, OrtGraph, open_session
+from .ort import InPlaceGraph, OrtGraph, open_decoder_session
 from .sessions import graph_identity
 
 log = logging.getLogger("specdeploy.runtime")
@@ -111,9 +111,11 @@ class OrtDecoder(Decoder):
     def _open(self, t: int):
         if t not in self.records and t not in self.call_sizes:
             raise SpecDeployError(f"no {self.what} graph for T={t} (exported sizes: {self.sizes})")
-        path = self.manifest.graph_path(self.records.get(t) or self.records[self.sizes[0]])
+        record = self.records.get(t) or self.records[self.sizes[0]]
+        path = self.manifest.graph_path(record)
+        # held: the graph below reuses it; checked against the manifest first (a stale or edited one)
+        session = open_decoder_session(self.manifest, record, "ort-cpu" if self.fused else self.backend, self.threads)
         if self.fused:
-            session = open_session(path, "ort-cpu", self.threads)  # held: the binding below reuses it
             if not self._output_rows:  # sized for the largest T: every binding writes a prefix
                 self._output_rows = {name: np.zeros((1, self.sizes[-1], *shape[2:]), dtype)
                                      for name, (shape, dtype) in _output_shapes(session).items()}

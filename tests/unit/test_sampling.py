@@ -17,7 +17,7 @@ from specdeploy.runtime.sampling import PositionNoise, SamplingParams, race, sam
     ({"temperature": True}, "temperature"),
     ({"top_k": -1}, "top_k must be an integer >= 0"),
     ({"top_k": 2.0}, "top_k"),
-    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"top_p": -0.1}, "top_p must be in [0, 1]"),
     ({"top_p": 1.5}, "top_p"),
     ({"seed": -3}, "seed must be a non-negative integer"),
 ])
@@ -37,6 +37,23 @@ def test_temperature_top_k_and_top_p():
     hot, cold = SamplingParams(2.0).probs(logits), SamplingParams(0.5).probs(logits)
     assert hot[0] < 0.4 < cold[0] and hot.sum() == pytest.approx(1) and cold.sum() == pytest.approx(1)
     assert SamplingParams(1.0).probs(logits.astype(np.float32)).dtype == np.float64
+
+
+@pytest.mark.filterwarnings("error")  # no overflow, no "invalid value encountered"
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300, 1e-30])
+def test_a_vanishing_temperature_tends_to_greedy_never_nan(temperature):
+    logits = np.array([3.0, 7.5, -2.0, 7.25, 0.0], dtype=np.float32)
+    for top_k in (0, 2):
+        p = SamplingParams(temperature, top_k=top_k).probs(logits)
+        np.testing.assert_array_equal(p, [0, 1, 0, 0, 0])
+    tie = SamplingParams(temperature).probs(np.array([1.0, 4.0, 4.0]))
+    np.testing.assert_array_equal(tie, [0, 0.5, 0.5])
+
+
+def test_top_p_zero_keeps_the_most_probable_token():
+    logits = np.log(np.array([0.2, 0.5, 0.3]))
+    np.testing.assert_array_equal(SamplingParams(1.0, top_p=0).probs(logits), [0, 1, 0])
+    np.testing.assert_array_equal(SamplingParams(0.7, top_k=2, top_p=0.0).probs(logits), [0, 1, 0])
 
 
 def test_sample_stays_in_the_support_and_follows_p():
