@@ -1,5 +1,5 @@
 # specdeploy: everything a fresh machine needs is here.
-#   make export   set up, get SmolLM2-135M-Instruct, train its draft and heads (cached), export, check, demo
+#   make export   set up, get SmolLM2-135M-Instruct, train its heads (cached), export, check, demo
 #   make test     set up and run the test suite (unit, then integration)
 #   make test-unit  the unit tests alone (tests/unit: no model build, no torch; seconds)
 PY ?= python3
@@ -15,14 +15,17 @@ TOY_DIR := $(BUILD)/family/default
 MODEL_DIR := $(BUILD)/models/smollm2-135m-instruct
 
 # What `make export` builds; every step is cached under build/, so a re-run only re-checks and demos.
-#   (default)     SmolLM2-135M-Instruct (`model`) with a draft cut from it, Medusa heads and an EAGLE
-#                 head, all trained here on its own responses -> build/export/default
-#   TARGET=DIR    a local HF model dir instead; its draft and heads are trained for it -> build/export/<dir name>
+#   (default)     SmolLM2-135M-Instruct (`model`), its int4 self as the draft model (`export --draft
+#                 self`), Medusa heads and an EAGLE head trained here on its own responses -> build/export/default
+#   TARGET=DIR    a local HF model dir instead; its heads are trained for it -> build/export/<dir name>
+#   DRAFT=distilled  a 2-layer draft cut from the target and distilled (train/draft.py) instead of the
+#                 int4 self-draft (SmolLM2-135M: it agrees on 23-30% of greedy tokens, the int4 self 80-87%)
 #   BUDGET=long   more responses, longer training (`make heads-long`) -> build/export/<name>-long
 #   FAMILY=toy    the embedded toy family (a 12.6M target and its draft, trained from scratch) -> build/export/toy
 FAMILY ?= real
 TARGET ?= $(MODEL_DIR)
 BUDGET ?= default
+DRAFT ?= self
 ifeq ($(FAMILY),toy)
 TARGET_DIR := $(TOY_DIR)/target
 DRAFT_DIR := $(TOY_DIR)/draft
@@ -51,10 +54,21 @@ $(error BUDGET must be default or long, got '$(BUDGET)')
 endif
 KIT := $(BUILD)/kit/$(notdir $(abspath $(TARGET)))/$(BUDGET)
 DATA_DIR := $(KIT)/responses
-DRAFT_DIR := $(KIT)/draft
+DISTILLED_DIR := $(KIT)/draft
 MEDUSA_DIR := $(KIT)/medusa
 EAGLE_DIR := $(KIT)/eagle
-TRAINED := $(DRAFT_DIR)/train.json $(MEDUSA_DIR)/train.json $(EAGLE_DIR)/train.json
+TRAINED := $(MEDUSA_DIR)/train.json $(EAGLE_DIR)/train.json
+ifeq ($(DRAFT),self)
+DRAFT_DIR := self
+DRAFT_STEP :=
+else ifeq ($(DRAFT),distilled)
+DRAFT_DIR := $(DISTILLED_DIR)
+DRAFT_STEP := draft
+TRAINED += $(DRAFT_DIR)/train.json
+EXPORT_DIR := $(EXPORT_DIR)-distilled
+else
+$(error DRAFT must be self or distilled, got '$(DRAFT)')
+endif
 EXPORT_CONFIG := configs/trained-drafters.yaml
 DEMO_INPUT = --chat "What should I pack for a weekend camping trip?"
 else
@@ -97,14 +111,14 @@ data: $(if $(filter default,$(TARGET_NAME)),model,setup)
 
 # A draft cut from the target (its embeddings, a few of its layers, its norm and LM head), distilled.
 draft: data
-	$(VPY) -m specdeploy.train.draft --target $(TARGET) --data $(DATA_DIR) --out $(DRAFT_DIR) --preset $(DRAFT_PRESET)
+	$(VPY) -m specdeploy.train.draft --target $(TARGET) --data $(DATA_DIR) --out $(DISTILLED_DIR) --preset $(DRAFT_PRESET)
 
 # Medusa heads and the EAGLE head trained on the same responses (each cached by spec and data).
 heads: data
 	$(VPY) -m specdeploy.train.medusa --target $(TARGET) --data $(DATA_DIR) --out $(MEDUSA_DIR) --preset $(HEADS_PRESET)
 	$(VPY) -m specdeploy.train.eagle --target $(TARGET) --data $(DATA_DIR) --out $(EAGLE_DIR) --preset $(HEADS_PRESET)
 
-models: draft heads
+models: $(DRAFT_STEP) heads
 endif
 
 # The same pipeline with the long training budget (past `make export`'s 15 minutes).
@@ -164,9 +178,10 @@ BENCH_DIR = $(or $(BENCH_EXPORT),$(EXPORT_DIR))
 # and 12 rounds: 24.5 min on an idle machine (3 prompts x 2 repeats made 30 rounds, over an hour).
 BENCH_ARGS ?= --num-prompts 2 --max-new-tokens 96 --repeats 1
 # Our int8 and int4 exports of the same model and drafters, benchmarked beside llama.cpp's Q8_0 and Q4_1
-# (real model only; none with BENCH_EXPORT unless given). int8 keeps the draft float (an int8 draft fails
-# the task check: 96.3% top-1, threshold 97%); int4 is published with --no-check: its top-1 agreement with
-# the float32 target is below the check's threshold, the float32 weights being a dequantized Q4_1 GGUF.
+# (real model only; none with BENCH_EXPORT unless given). int4 is published with --no-check: its top-1
+# agreement with the float32 target is below the check's threshold, the float32 weights being a
+# dequantized Q4_1 GGUF. The self-draft is int4 under the int8 target; an int4 target has nothing
+# cheaper to draft with, so the int4 export has no draft model then.
 QUANT_EXPORTS := $(if $(TARGET_NAME),$(EXPORT_DIR)-int8 $(EXPORT_DIR)-int4)
 BENCH_QUANTIZED ?= $(if $(BENCH_EXPORT),,$(QUANT_EXPORTS))
 
@@ -178,9 +193,9 @@ peers: $(if $(BENCH_EXPORT),setup,models)
 	$(VPY) -m specdeploy.bench.peers --export $(BENCH_DIR)
 
 $(addsuffix /manifest.json,$(QUANT_EXPORTS)): $(EXPORT_DIR)/manifest.json
-	$(SPEC) export --target $(TARGET_DIR) --draft $(DRAFT_DIR) --medusa $(MEDUSA_DIR) --eagle $(EAGLE_DIR) \
-	  --out $(@D) $(if $(EXPORT_CONFIG),--config $(EXPORT_CONFIG)) --weights $(lastword $(subst -, ,$(@D))) \
-	  $(if $(filter %-int8,$(@D)),--draft-weights float) $(if $(filter %-int4,$(@D)),--no-check)
+	$(SPEC) export --target $(TARGET_DIR) $(if $(filter self-%-int4,$(DRAFT)-$(@D)),,--draft $(DRAFT_DIR)) \
+	  --medusa $(MEDUSA_DIR) --eagle $(EAGLE_DIR) --out $(@D) $(if $(EXPORT_CONFIG),--config $(EXPORT_CONFIG)) \
+	  --weights $(lastword $(subst -, ,$(@D))) $(if $(filter %-int4,$(@D)),--no-check)
 
 # Our methods beside the peers, same model and prompts; regenerates BENCHMARKS.md and docs/bench.png.
 bench: peers $(addsuffix /manifest.json,$(BENCH_QUANTIZED))

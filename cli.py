@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="export HF model dirs to ONNX graphs + manifest")
     e.add_argument("--target", required=True, type=Path, help="HF model directory of the target")
-    e.add_argument("--draft", type=Path, help="HF model directory of a draft model (same vocabulary)")
+    e.add_argument("--draft", help="HF model directory of a draft model (same vocabulary), or `self`: the target "
+                   "itself with quantized weights (--draft-weights, default int4)")
     e.add_argument("--eagle", type=Path, help="EAGLE head directory (SafeAILab EAGLE-1/2 or EAGLE-3 layout)")
     e.add_argument("--medusa", type=Path, help="Medusa heads directory (FasterDecoding/Medusa layout)")
     e.add_argument("--tree", help="Medusa tree: a name in configs/trees/ or a .json file (default: the config's)")

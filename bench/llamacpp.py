@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .peers import OFFLINE_ENV, PeerUnavailable, _atomic_build, genai_env, model_key
+from .peers import OFFLINE_ENV, PeerUnavailable, _atomic_build, genai_env, model_key, self_drafted
 
 VENV = "llamacpp"
 REQUIREMENT = "llama-cpp-python==0.3.36"
@@ -190,6 +190,7 @@ def write_gguf(hf_dir: str | Path, tokenizer_gguf: str | Path, out: str | Path, 
 def gguf_files(target: str | Path, draft: str | Path | None, peers_dir: str | Path, dtype: str = "float32",
                build: bool = True, progress=print) -> dict[str, Path]:
     """{"target": GGUF at `dtype`, "draft": likewise (if a draft), "original": the quantized source GGUF}.
+    A self-draft (bench/peers.py: self_drafted) is the quantized source GGUF.
 
     Cached under build/peers/llamacpp-models/ by the HF dir's content hash.
     """
@@ -201,6 +202,8 @@ def gguf_files(target: str | Path, draft: str | Path | None, peers_dir: str | Pa
     if tag is None:
         raise PeerUnavailable(f"no GGUF type for a {dtype} export")
     out = {"original": original}
+    if self_drafted(target, draft):
+        out["draft"], draft = original, None
     for name, src in (("target", target), ("draft", draft)):
         if src is None:
             continue

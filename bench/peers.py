@@ -129,17 +129,28 @@ def _build_genai(py: Path, hf_dir: Path, out: Path, log: Path, precision: str = 
         raise PeerUnavailable(f"onnxruntime-genai model builder failed on {hf_dir} ({tail[0][:200]}); log: {log}")
 
 
+def self_drafted(target: str | Path, draft: str | Path | None) -> bool:
+    """Whether the draft is the target itself (our `export --draft self`, which drafts with an int4 copy):
+    a peer then drafts with its own 4-bit build of the target (onnxruntime-genai's int4 model,
+    llama.cpp's Q4_1 GGUF), never with a float copy that costs what the target does."""
+    return draft is not None and Path(draft).resolve() == Path(target).resolve()
+
+
 def genai_model_dirs(target: str | Path, draft: str | Path | None, peers_dir: str | Path,
                      build: bool = True, progress=print, int4: bool = False) -> dict[str, Path]:
     """{"plain": dir, "speculative": dir (target + draft), "int4": dir (`int4`: the target's int4
-    build)} for onnxruntime-genai, built on first use."""
+    build)} for onnxruntime-genai, built on first use. A self-draft drafts with the int4 build."""
     py = genai_python(peers_dir)
     if not py.exists():
         raise PeerUnavailable(f"no onnxruntime-genai venv at {py.parent.parent}: run `make peers`")
     root = Path(peers_dir) / "ortgenai"
     tkey = model_key(target)
     out = {"plain": root / tkey / "target"}
-    if draft is not None:
+    if self_drafted(target, draft):
+        int4, draft = True, None
+        out["draft"] = root / tkey / "target-int4"
+        out["speculative"] = root / tkey / "spec-self-int4"
+    elif draft is not None:
         dkey = model_key(draft)
         out["draft"] = root / tkey / f"draft-{dkey}"
         out["speculative"] = root / tkey / f"spec-{dkey}"
@@ -148,6 +159,8 @@ def genai_model_dirs(target: str | Path, draft: str | Path | None, peers_dir: st
     if not build:
         return out
     for name, src in (("plain", target), ("draft", draft)):
+        if src is None:
+            continue
         if name in out and not out[name].is_dir():
             progress(f"onnxruntime-genai model builder: {src} -> {out[name]}")
             log = out[name].parent / f"{out[name].name}.build.log"

@@ -198,6 +198,10 @@ def plan(opts: BenchOptions, export, quant: dict | None = None) -> tuple[list[tu
                 skipped.append({"system": peer, "method": method, "reason": reason})
             elif method == "draft" and "draft" not in export.manifest.models:
                 skipped.append({"system": peer, "method": method, "reason": "the export has no draft model"})
+            elif method == "draft" and peer == "hf" and peerlib.self_drafted(_source(export, "target"),
+                                                                             _source(export, "draft")):
+                skipped.append({"system": peer, "method": method, "reason": "the draft is the target with int4 "
+                                "weights (export --draft self), and transformers has no int4 CPU model to draft with"})
             else:
                 rows.append((peer, method))
     return rows, skipped

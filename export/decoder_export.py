@@ -156,10 +156,13 @@ def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: E
     for t in token_counts:
         graphs.update(exporter.export(t))
     if draft is not None:
-        progress(f"loading draft from {draft} ({dtype})")
-        draft_model = load_causal_lm(Path(draft), dtype)
-        subset = read_draft_vocab(Path(draft), methods["draft"].draft_vocab, draft_model.config.vocab_size, DRAFT,
-                                  progress)
+        # a self-draft (export --draft self) is the target's own weights: read once (nothing mutates them)
+        same = Path(draft).resolve() == Path(target).resolve()
+        progress(f"draft: the target's model ({dtype})" if same else f"loading draft from {draft} ({dtype})")
+        draft_model = target_model if same else load_causal_lm(Path(draft), dtype)
+        # a self-draft keeps the target's whole LM head: the target's dir holds no draft vocabulary
+        subset = None if same else read_draft_vocab(Path(draft), methods["draft"].draft_vocab,
+                                                    draft_model.config.vocab_size, DRAFT, progress)
         dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused,
                                vocab_subset=subset)
         if subset is not None:

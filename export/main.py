@@ -8,9 +8,14 @@ The accuracy check runs on the staged export, before it replaces --out (export_a
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
 from .exporter import export_all
+
+SELF_DRAFT = "self"  # --draft self: the target drafts for itself through quantized weights
+# Weights by cost per token, dearest first: a self-draft must be cheaper than the target it drafts for.
+_BY_COST = ("float", "int8", "int4")
 
 
 def accuracy_check(progress):
@@ -65,9 +70,33 @@ def quant_plan(args, progress):
     return plan
 
 
+def resolve_draft(args, progress) -> None:
+    """--draft DIR -> a Path; --draft self -> the target's dir, its weights quantized below the
+    target's (--draft-weights, default int4): the draft model is the target itself, as cheap per token
+    as its weights make it (runtime/drafters/draft_model.py). Nothing to train, and it agrees with the
+    target far more often than a small model does (SmolLM2-135M, int4: 80% / 87% of greedy chat /
+    code tokens, against 23% / 30% for a 2-layer draft distilled in make export's budget)."""
+    if args.draft is None or str(args.draft) != SELF_DRAFT:
+        args.draft = None if args.draft is None else Path(args.draft)
+        return
+    target = getattr(args, "weights", "float")
+    draft = getattr(args, "draft_weights", None) or "int4"
+    if target == "int4":
+        raise SpecDeployError("--draft self needs weights cheaper than the target's, and an int4 target has none: "
+                              "export the target with --weights int8 or float, or pass a smaller draft model")
+    if _BY_COST.index(draft) <= _BY_COST.index(target):
+        cheaper = " or ".join(w for w in _BY_COST if _BY_COST.index(w) > _BY_COST.index(target))
+        raise SpecDeployError(f"--draft self with {draft} weights would cost as much per token as the {target} "
+                              f"target it drafts for: give it fewer bits (--draft-weights {cheaper})")
+    args.draft, args.draft_weights = Path(args.target), draft
+    progress(f"draft: the target itself with {draft} weights (--draft self)")
+
+
 def run_export(args) -> None:
     def progress(msg: str) -> None:
         print(msg, flush=True)
+
+    resolve_draft(args, progress)
 
     check = None if args.no_check else accuracy_check(progress)
     out = export_all(args.target, args.out, draft=args.draft, dtype=args.dtype, config=args.config, progress=progress,

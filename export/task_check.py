@@ -15,7 +15,11 @@ train/corpus.py, never trained on by the embedded family; or a text file given):
 Each result is printed beside its threshold and fails below it (`specdeploy check` exits
 non-zero; `specdeploy export` publishes nothing). The thresholds are the accuracy a scheme
 must keep to be deployed, per bit width: int8 should be near lossless, int4 round-to-nearest
-costs a few points of agreement and some perplexity on small models.
+costs a few points of agreement and some perplexity on small models. A draft model's weights
+decide only how often its drafts are accepted, never the output (the target verifies them),
+so it is held only to a floor that a broken quantization falls through: an int4 self-draft
+(export --draft self) of SmolLM2-135M keeps 81% top-1 at +21% perplexity, below the int4
+target thresholds, and still drafts 2.5-3 tokens per target call.
 
 Runs ONNX Runtime only (no torch): the runtime's own decoders over the manifest.
 """
@@ -33,6 +37,7 @@ from ..runtime.graph_contract import DECODER, EAGLE, EAGLE_DRAFT, FUSED, PORTABL
 
 MIN_TOP1 = {8: 0.97, 4: 0.85}  # decoders: argmax agreement with float32
 MAX_PPL_RATIO = {8: 1.02, 4: 1.15}  # decoders: quantized / float32 perplexity
+DRAFT_MIN_TOP1, DRAFT_MAX_PPL_RATIO = 0.5, 2.0  # the draft model, any bits (module docstring)
 MIN_HEAD_TOP1 = {8: 0.95, 4: 0.80}  # the EAGLE head: its top-1 proposal agrees with float32's
 DEFAULT_TOKENS = 512
 WINDOW = 256  # tokens of context per evaluation window (less where max_context is smaller)
@@ -140,10 +145,12 @@ def decoder_task(manifest, model: str, ids: list[int], threads: int | None = Non
         nll_q.append(q)
     agree, nll_f, nll_q = (np.concatenate(a) for a in (agree, nll_f, nll_q))
     bits = scheme["bits"]
+    min_top1, max_ppl = (DRAFT_MIN_TOP1, DRAFT_MAX_PPL_RATIO) if model == "draft" else (MIN_TOP1[bits],
+                                                                                         MAX_PPL_RATIO[bits])
     if not len(nll_f):  # no next token of the text is in a restricted vocabulary: agreement alone
-        return TaskResult(model, _scheme_name(scheme), len(agree), float(agree.mean()), MIN_TOP1[bits])
-    return TaskResult(model, _scheme_name(scheme), len(agree), float(agree.mean()), MIN_TOP1[bits],
-                      math.exp(nll_f.mean()), math.exp(nll_q.mean()), MAX_PPL_RATIO[bits])
+        return TaskResult(model, _scheme_name(scheme), len(agree), float(agree.mean()), min_top1)
+    return TaskResult(model, _scheme_name(scheme), len(agree), float(agree.mean()), min_top1,
+                      math.exp(nll_f.mean()), math.exp(nll_q.mean()), max_ppl)
 
 
 def eagle_task(manifest, ids: list[int], threads: int | None = None) -> TaskResult:

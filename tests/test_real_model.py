@@ -46,9 +46,12 @@ def smollm2_4l(smollm2_wheel):
 @pytest.fixture(scope="session")
 def smollm2_4l_export(smollm2_4l, tmp_path_factory):
     from specdeploy.export.exporter import export_all
+    from specdeploy.export.quantize import QuantPlan
 
     out = tmp_path_factory.mktemp("real_model") / "smollm2-4l"
-    return export_all(smollm2_4l, out, progress=lambda msg: None)
+    # with the target as its own int4 draft (export --draft self)
+    return export_all(smollm2_4l, out, draft=smollm2_4l, progress=lambda msg: None,
+                      quantize=QuantPlan.from_choices(32, target="float", draft="int4"))
 
 
 def test_conversion_is_smollm2_135m_instruct(smollm2):
@@ -144,7 +147,8 @@ def test_corrupt_inputs_are_one_error_line_and_leave_nothing(truncated_copies, t
 
 
 def test_truncated_model_export_matches_hf_greedy(smollm2_4l, smollm2_4l_export):
-    """ar and prompt-lookup (fused graphs) and ar (portable) on the exported 4-layer model equal HF greedy."""
+    """ar, prompt-lookup and the int4 self-draft (fused graphs) and ar (portable) on the exported 4-layer
+    model equal HF greedy."""
     from transformers import AutoTokenizer
 
     from specdeploy.runtime.generate import generate
@@ -163,7 +167,7 @@ def test_truncated_model_export_matches_hf_greedy(smollm2_4l, smollm2_4l_export)
         ids = export.tokenizer.encode(prompt)
         assert ids == hf_tok.encode(prompt)  # the runtime tokenizes as transformers does
         ref = hf_greedy(smollm2_4l, ids, NEW)
-        for loaded, method in ((export, "ar"), (export, "prompt-lookup"), (portable, "ar")):
+        for loaded, method in ((export, "ar"), (export, "prompt-lookup"), (export, "draft"), (portable, "ar")):
             ours = generate(loaded, ids, method=method, max_new_tokens=NEW, ignore_eos=True)
             assert ours.token_ids == ref, f"{method} ({loaded.flavor}) differs from HF greedy on {prompt!r}"
 
