@@ -115,6 +115,25 @@ def test_first_steps_and_stalls_are_not_timed_as_they_ran():
     assert sum(kinds[100:]) <= 3
 
 
+def test_a_probe_pays_the_catch_up_on_the_plain_steps_before_it():
+    """A draft model's first drafting step after plain steps also feeds it their tokens (one call
+    over as many rows): a probe costs more the longer it waited. That is no drafting step's cost, so
+    a winning method that went plain for a while resumes instead of staying plain for good."""
+    waited = [0]
+
+    def spec_s(i, rng):
+        cost, waited[0] = 1.6 + 0.1 * waited[0], 0  # the catch-up: 0.1 a plain step before it
+        return cost
+
+    def plain_s(i, rng):
+        waited[0] += 1
+        return 1.0
+
+    tokens = lambda i, rng: 1 if 20 <= i < 40 else 2.4  # noqa: E731  a low stretch, then 1.5x plain's rate
+    kinds, _, _ = simulate(AdaptivePolicy(), 300, spec_s=spec_s, plain_s=plain_s, tokens=tokens)
+    assert sum(kinds[40:]) >= 0.8 * 260, probe_gaps(kinds[40:])
+
+
 def test_plain_steps_before_any_drafting_step():
     """Step times known from earlier requests, and the drafter proposes nothing at first (no match)."""
     memory = Memory(Average(value=1.0, count=2), {"m": Speculated(Average(value=1.6, count=2))})
