@@ -106,8 +106,6 @@ def cmd_demo(args) -> int:
     from .runtime.loaded_export import LoadedExport
     from .runtime.sampling import SamplingParams
 
-    if args.system is not None and args.chat is None:
-        raise SpecDeployError("--system goes with --chat (a chat prompt through the tokenizer's template)")
     use_shared_threads(args.threads)
     export = LoadedExport(args.out)
     ids = _prompt_ids(export, args)

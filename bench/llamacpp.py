@@ -23,7 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .peers import OFFLINE_ENV, PeerUnavailable, _atomic_build, genai_env, model_key, self_drafted
+from ..export.hf_loading import is_self_draft
+from .peers import OFFLINE_ENV, PeerUnavailable, _atomic_build, genai_env, model_key
 
 VENV = "llamacpp"
 REQUIREMENT = "llama-cpp-python==0.3.36"
@@ -190,7 +191,7 @@ def write_gguf(hf_dir: str | Path, tokenizer_gguf: str | Path, out: str | Path, 
 def gguf_files(target: str | Path, draft: str | Path | None, peers_dir: str | Path, dtype: str = "float32",
                build: bool = True, progress=print) -> dict[str, Path]:
     """{"target": GGUF at `dtype`, "draft": likewise (if a draft), "original": the quantized source GGUF}.
-    A self-draft (bench/peers.py: self_drafted) is the quantized source GGUF.
+    A self-draft (export/hf_loading.py: is_self_draft) drafts with the quantized source GGUF.
 
     Cached under build/peers/llamacpp-models/ by the HF dir's content hash.
     """
@@ -202,7 +203,7 @@ def gguf_files(target: str | Path, draft: str | Path | None, peers_dir: str | Pa
     if tag is None:
         raise PeerUnavailable(f"no GGUF type for a {dtype} export")
     out = {"original": original}
-    if self_drafted(target, draft):
+    if is_self_draft(target, draft):
         out["draft"], draft = original, None
     for name, src in (("target", target), ("draft", draft)):
         if src is None:

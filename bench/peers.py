@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..export.hf_loading import is_self_draft
 from ..runtime.errors import SpecDeployError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -129,24 +130,18 @@ def _build_genai(py: Path, hf_dir: Path, out: Path, log: Path, precision: str = 
         raise PeerUnavailable(f"onnxruntime-genai model builder failed on {hf_dir} ({tail[0][:200]}); log: {log}")
 
 
-def self_drafted(target: str | Path, draft: str | Path | None) -> bool:
-    """Whether the draft is the target itself (our `export --draft self`, which drafts with an int4 copy):
-    a peer then drafts with its own 4-bit build of the target (onnxruntime-genai's int4 model,
-    llama.cpp's Q4_1 GGUF), never with a float copy that costs what the target does."""
-    return draft is not None and Path(draft).resolve() == Path(target).resolve()
-
-
 def genai_model_dirs(target: str | Path, draft: str | Path | None, peers_dir: str | Path,
                      build: bool = True, progress=print, int4: bool = False) -> dict[str, Path]:
     """{"plain": dir, "speculative": dir (target + draft), "int4": dir (`int4`: the target's int4
-    build)} for onnxruntime-genai, built on first use. A self-draft drafts with the int4 build."""
+    build)} for onnxruntime-genai, built on first use. A self-draft drafts with the int4 build, never
+    with a float copy that costs what the target does."""
     py = genai_python(peers_dir)
     if not py.exists():
         raise PeerUnavailable(f"no onnxruntime-genai venv at {py.parent.parent}: run `make peers`")
     root = Path(peers_dir) / "ortgenai"
     tkey = model_key(target)
     out = {"plain": root / tkey / "target"}
-    if self_drafted(target, draft):
+    if is_self_draft(target, draft):
         int4, draft = True, None
         out["draft"] = root / tkey / "target-int4"
         out["speculative"] = root / tkey / "spec-self-int4"

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
+from ..export.hf_loading import is_self_draft
 from ..runtime.config import to_dict
 from ..runtime.errors import SpecDeployError
 from . import llamacpp, machine, roofline
@@ -198,10 +199,10 @@ def plan(opts: BenchOptions, export, quant: dict | None = None) -> tuple[list[tu
                 skipped.append({"system": peer, "method": method, "reason": reason})
             elif method == "draft" and "draft" not in export.manifest.models:
                 skipped.append({"system": peer, "method": method, "reason": "the export has no draft model"})
-            elif method == "draft" and peer == "hf" and peerlib.self_drafted(_source(export, "target"),
+            elif method == "draft" and peer == "hf" and is_self_draft(_source(export, "target"),
                                                                              _source(export, "draft")):
-                skipped.append({"system": peer, "method": method, "reason": "the draft is the target with int4 "
-                                "weights (export --draft self), and transformers has no int4 CPU model to draft with"})
+                skipped.append({"system": peer, "method": method, "reason": "the draft is the target with quantized "
+                                "weights (export --draft self), and transformers has no such CPU model to draft with"})
             else:
                 rows.append((peer, method))
     return rows, skipped

@@ -33,7 +33,7 @@ from .batched_graph import write_batched_target
 from .decoder_graph import DecoderGraph
 from .draft_vocab import read_draft_vocab, restrict_lm_head
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
-from .hf_loading import load_causal_lm, torch_dtype
+from .hf_loading import is_self_draft, load_causal_lm, torch_dtype
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, decoder_dynamic_axes, export_module
 from .reference import decoder_feeds, save_reference, torch_reference
@@ -156,13 +156,11 @@ def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: E
     for t in token_counts:
         graphs.update(exporter.export(t))
     if draft is not None:
-        # a self-draft (export --draft self) is the target's own weights: read once (nothing mutates them)
-        same = Path(draft).resolve() == Path(target).resolve()
+        same = is_self_draft(target, draft)  # the target's own weights: read once (nothing mutates them)
         progress(f"draft: the target's model ({dtype})" if same else f"loading draft from {draft} ({dtype})")
         draft_model = target_model if same else load_causal_lm(Path(draft), dtype)
-        # a self-draft keeps the target's whole LM head: the target's dir holds no draft vocabulary
-        subset = None if same else read_draft_vocab(Path(draft), methods["draft"].draft_vocab,
-                                                    draft_model.config.vocab_size, DRAFT, progress)
+        subset = read_draft_vocab(Path(draft), methods["draft"].draft_vocab, draft_model.config.vocab_size, DRAFT,
+                                  progress)
         dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused,
                                vocab_subset=subset)
         if subset is not None:

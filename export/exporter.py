@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from ..runtime.graph_contract import TARGET
 from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
 from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
-from .hf_loading import check_loadable, check_same_vocab, read_hf_config
+from .hf_loading import check_loadable, check_same_vocab, is_self_draft, read_hf_config
 from .method_export import MethodExport, load_export_step
 from .out_dir import Staging, checked_out_dir
 
@@ -105,6 +106,9 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         check_loadable(draft, draft_cfg)
         check_same_vocab(Path(target), Path(draft), target_cfg, draft_cfg)
         check_context("draft", draft_cfg, cfg.max_context)
+        if is_self_draft(target, draft) and methods["draft"].draft_vocab:
+            # the target's whole LM head: its dir holds no draft vocabulary, and the manifest says so
+            methods["draft"] = replace(methods["draft"], draft_vocab=0)
     if not (Path(target) / "tokenizer.json").is_file():
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
     for name, step in steps.items():  # heads checked against the target before anything is written

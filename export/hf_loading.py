@@ -14,6 +14,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # export/decoder
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def is_self_draft(target: str | Path, draft: str | Path | None) -> bool:
+    """Whether the draft model is the target itself (`export --draft self`, or its own dir given as
+    --draft): its weights are the target's, read once, its LM head whole (its dir holds no draft
+    vocabulary), and peers draft with their own 4-bit build of it (bench/peers.py)."""
+    return draft is not None and Path(draft).resolve() == Path(target).resolve()
+
+
 def read_hf_config(model_dir: Path) -> dict:
     return read_dir_config(model_dir, "config.json", "model", ": not a Hugging Face model directory")
 

@@ -86,8 +86,8 @@ def resolve_draft(args, progress) -> None:
                               "export the target with --weights int8 or float, or pass a smaller draft model")
     if _BY_COST.index(draft) <= _BY_COST.index(target):
         cheaper = " or ".join(w for w in _BY_COST if _BY_COST.index(w) > _BY_COST.index(target))
-        raise SpecDeployError(f"--draft self with {draft} weights would cost as much per token as the {target} "
-                              f"target it drafts for: give it fewer bits (--draft-weights {cheaper})")
+        raise SpecDeployError(f"--draft self with {draft} weights would cost at least as much per token as "
+                              f"the {target} target it drafts for: give it fewer bits (--draft-weights {cheaper})")
     args.draft, args.draft_weights = Path(args.target), draft
     progress(f"draft: the target itself with {draft} weights (--draft self)")
 

@@ -19,7 +19,7 @@ costs a few points of agreement and some perplexity on small models. A draft mod
 decide only how often its drafts are accepted, never the output (the target verifies them),
 so it is held only to a floor that a broken quantization falls through: an int4 self-draft
 (export --draft self) of SmolLM2-135M keeps 81% top-1 at +21% perplexity, below the int4
-target thresholds, and still drafts 2.5-3 tokens per target call.
+target thresholds, and still verifies 2.9 / 3.5 tokens per target call on chat / code.
 
 Runs ONNX Runtime only (no torch): the runtime's own decoders over the manifest.
 """

@@ -51,16 +51,14 @@ def run_server(args) -> int:
         from .triton_main import run_triton
 
         return run_triton(args)
-    try:
-        import uvicorn
+    try:  # the serve extra, checked before anything else (_serve imports them)
+        import uvicorn  # noqa: F401
 
-        from .app import create_app
+        from .app import create_app  # noqa: F401
     except ImportError as exc:
         raise SpecDeployError(f"the server needs the serve extra ({exc.name} is missing): "
                               "pip install 'specdeploy[serve]'") from None
-    from ..runtime.service import Service
     from .limits import ServeLimits
-    from .security import uvicorn_limit
 
     if not 0 <= args.port <= 65535:
         raise SpecDeployError(f"--port must be in [0, 65535], got {args.port}")
@@ -86,9 +84,21 @@ def run_server(args) -> int:
         limits.model_len(load_manifest(args.out, verify_checksums=False).max_context)
         _warn_if_open(args.host, api_key)
         return run_ray(args, limits, api_key, origins)
-    from ..runtime.backends import use_shared_threads
-
     sock = listen(args.host, args.port)  # before loading: a busy port fails at once
+    try:
+        return _serve(args, sock, limits, api_key, origins)
+    finally:
+        sock.close()  # on every path: a failed load leaves no socket bound behind
+
+
+def _serve(args, sock, limits, api_key, origins) -> int:
+    import uvicorn
+
+    from ..runtime.backends import use_shared_threads
+    from ..runtime.service import Service
+    from .app import create_app
+    from .security import uvicorn_limit
+
     _warn_if_open(args.host, api_key)
     port = sock.getsockname()[1]  # --port 0: the one the OS chose
     use_shared_threads(args.threads)  # our own process: one pool for every worker's sessions
@@ -98,7 +108,8 @@ def run_server(args) -> int:
     app = create_app(service, model_name=args.model_name, limits=limits, api_key=api_key, allowed_origins=origins)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = app.state.server
-    print(f"serving '{server.model_name}' from {args.out} on http://{args.host}:{port} "
+    host = f"[{args.host.strip('[]')}]" if ":" in args.host else args.host  # an IPv6 address in a URL
+    print(f"serving '{server.model_name}' from {args.out} on http://{host}:{port} "
           f"(methods {', '.join(service.methods)}; default {service.default_method}; "
           f"{service.pool.size} workers, queue {service.pool.queue_size}, "
           f"{server.admission.limit} requests in flight, context {server.model_len}; "
@@ -111,8 +122,6 @@ def run_server(args) -> int:
         served.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal (as uvicorn.run, quietly)
         pass
-    finally:
-        sock.close()
     if not served.started:
         raise SpecDeployError("the server failed to start (see the log above)")
     return 0

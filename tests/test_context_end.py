@@ -100,6 +100,7 @@ def test_every_method_decodes_to_the_context_end(full):
     runs = {m: (m, None) for m in full.methods if m != "ar"}
     runs["eagle top_k 2"] = ("eagle", {"top_k": 2})
     runs["draft k 3"] = ("draft", {"k": 3})
+    runs["draft k 3, every draft"] = ("draft", {"k": 3, "stop_below": 0})  # full chains up to the end
     _to_the_end(full, runs, 48)
 
 

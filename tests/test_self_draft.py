@@ -22,7 +22,10 @@ def self_draft(micro_family, tmp_path_factory):
     from specdeploy.cli import main
 
     out = tmp_path_factory.mktemp("self-draft") / "export"
-    code = main(["export", "--target", str(micro_family / "target"), "--draft", "self", "--out", str(out)])
+    config = out.parent / "config.yaml"  # as make export's: a draft vocabulary for a distilled draft
+    config.write_text("methods:\n  draft: {draft_vocab: 64}\n")
+    code = main(["export", "--target", str(micro_family / "target"), "--draft", "self", "--out", str(out),
+                 "--config", str(config)])
     assert code == 0
     return out
 
@@ -38,6 +41,7 @@ def test_the_draft_is_the_target_with_int4_weights(self_draft, micro_family):
     assert "draft_vocab_file" not in draft  # a self-draft keeps the whole LM head
     methods = manifest["methods"]
     assert methods["draft"]["stop_below"] == 0.4 and methods["draft"]["k"] >= 4
+    assert methods["draft"]["draft_vocab"] == 0  # the whole LM head, and the manifest says so
 
 
 def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):
@@ -58,14 +62,13 @@ def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):
         calls[stop] = total
     # the int4 copy agrees with its target on most tokens: far fewer target calls than tokens
     assert calls[0.0] < 0.6 * 40 * len(PROMPTS), calls
-    # a higher stop drafts fewer tokens per step, so it verifies more often (or as often)
-    assert calls[0.0] <= calls[0.4] <= calls[0.95], calls
+    # a high stop drafts fewer tokens per step, so it verifies more often
     assert calls[0.0] < calls[0.95], calls
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--draft-weights", "float"], "would cost as much per token as the float target"),
-    (["--weights", "int8", "--draft-weights", "int8"], "would cost as much per token as the int8 target"),
+    (["--draft-weights", "float"], "would cost at least as much per token as the float target"),
+    (["--weights", "int8", "--draft-weights", "int8"], "would cost at least as much per token as the int8 target"),
     (["--weights", "int4"], "an int4 target has none"),
 ])
 def test_a_self_draft_no_cheaper_than_its_target_is_refused(micro_family, tmp_path, capsys, extra, message):

@@ -22,7 +22,7 @@ def test_serve_on_a_port_it_cannot_listen_on(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        for host, reason in (("127.0.0.1", "address already in use"), ("999.1.1.1", "cannot listen on 999.1.1.1")):
+        for host, reason in (("127.0.0.1", "address already in use"), ("192.0.2.1", "cannot listen on 192.0.2.1")):
             proc = run_cli("serve", tmp_path / "never-loaded", "--host", host, "--port", port, timeout=120)
             assert proc.returncode == 2 and "serving" not in proc.stdout, proc.stdout + proc.stderr
             lines = proc.stderr.strip().splitlines()
