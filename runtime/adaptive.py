@@ -157,11 +157,16 @@ class AdaptivePolicy:
             self.spec_tokens.add(tokens)
             if self.seen_spec and not self.after_plain:
                 self.spec_seconds.add(seconds, STALL)
+            elif self.seen_spec and self.spec_seconds.value is not None:
+                # a probe may lower the estimate, never raise it: one made high by early steps on
+                # cold graphs (a fresh export's first calls of each size) must not keep a method
+                # plain for the rest of the request, as nothing else would re-time it
+                self.spec_seconds.add(min(seconds, self.spec_seconds.value))
             # else: a request's first drafting step also pays the drafter's catch-up on the
             # prompt (draft model prefill, EAGLE head) and, on a fresh export, cold graphs; the
             # first after plain steps (a probe) its catch-up on their tokens, one call over as many
             # rows as steps went plain (SmolLM2's int4 self-draft: a probe after 10 plain steps took
-            # 2x a drafting step). Neither time is a sample of a drafting step's: timed, probes
+            # 2x a drafting step). Neither time is a full sample of a drafting step's: timed, probes
             # raised the break-even with the plain run before them and kept a winning method plain
             # (1.21x ar without the policy on chat, 0.99x with it).
             self.seen_spec = True

@@ -134,6 +134,15 @@ def test_a_probe_pays_the_catch_up_on_the_plain_steps_before_it():
     assert sum(kinds[40:]) >= 0.8 * 260, probe_gaps(kinds[40:])
 
 
+def test_early_slow_drafting_steps_do_not_keep_a_winning_method_plain():
+    """A fresh export's first calls of each size are slow (cold graphs): a high first estimate of a
+    drafting step's time made the policy go plain, and with probes untimed nothing re-timed it.
+    Probes lower it, so a method that wins at its real cost comes back."""
+    spec_s = lambda i, rng: 5.0 if i < 3 else 1.6  # noqa: E731
+    kinds, _, _ = simulate(AdaptivePolicy(), 300, spec_s=spec_s, plain_s=1.0, tokens=2.4)
+    assert sum(kinds[100:]) >= 0.9 * 200, probe_gaps(kinds)
+
+
 def test_plain_steps_before_any_drafting_step():
     """Step times known from earlier requests, and the drafter proposes nothing at first (no match)."""
     memory = Memory(Average(value=1.0, count=2), {"m": Speculated(Average(value=1.6, count=2))})
