@@ -80,12 +80,15 @@ class LoadedExport:
 
     def warm_up(self, method: str) -> None:
         """Open now every graph `method` can call: the graphs of the decoders it runs (any
-        size can serve a prefill chunk or a short proposal) and its drafter's own."""
+        size can serve a prefill chunk or a short proposal) and its drafter's own; run the
+        decoders' small call sizes once (backends/ort_decoder.py, warm_call_sizes)."""
         config = self.method_config(method)
         build_drafter(self, config)  # opens the drafter's graphs (heads) and decoders (draft)
         for decoder in self._decoders.values():
             if hasattr(decoder, "open"):  # TensorRT decoders load every engine up front
                 decoder.open()
+            if hasattr(decoder, "warm_call_sizes"):  # ORT: each small call size's first run, now
+                decoder.warm_call_sizes()
 
     def decoder(self, model: str) -> Decoder:
         if model not in self._decoders:

@@ -139,9 +139,9 @@ def test_service_warm_up_opens_each_methods_graphs(micro_export):
     cold = Service.load(micro_export, pool_size=2, warmup=False)  # the rest opens on first use
     assert all(e.decoder("target").opened == [1] and "draft" not in e._decoders for e in cold.pool.exports)
     warm = Service.load(micro_export, pool_size=2)
-    for instance in warm.pool.exports:
-        assert instance.decoder("target").opened == instance.decoder("target").sizes
-        assert instance.decoder("draft").opened == instance.decoder("draft").sizes
+    for instance in warm.pool.exports:  # every exported size (and, in one instance, each small call size run once)
+        assert set(instance.decoder("target").sizes) <= set(instance.decoder("target").opened)
+        assert set(instance.decoder("draft").sizes) <= set(instance.decoder("draft").opened)
 
 
 def test_pool_instances_on_shared_sessions_give_the_same_tokens(micro_export):
