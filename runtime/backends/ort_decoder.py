@@ -107,19 +107,21 @@ class OrtDecoder(Decoder):
         if path in _WARMED:
             return
         _WARMED.add(path)
-        for t in [t for t in self.call_sizes if t <= min(WARM_SIZES, self.room)]:
-            self.forward(np.ones(t, np.int64), np.arange(t), np.tril(np.ones((t, t), dtype=bool)))
-        self.reset()
-        self.calls, self.seconds = 0, 0.0
+        self._scratch_calls([t for t in self.call_sizes if t <= min(WARM_SIZES, self.room)])
 
     def _lone_rows_exact(self) -> bool:
         """Whether a one-row call scores its row bit-identically to a two-row call on this machine
         (what keeps a quantized target's methods equal to its `ar`). Two calls on an empty cache."""
-        tokens = np.array([1, 2], dtype=np.int64)
-        rows = [self.forward(tokens[:n], np.arange(n), np.tril(np.ones((n, n), dtype=bool))).logits[0] for n in (1, 2)]
+        one, two = (out.logits[0] for out in self._scratch_calls([1, 2]))
+        return bool(np.array_equal(one, two))
+
+    def _scratch_calls(self, sizes: list[int]) -> list[StepOutput]:
+        """One call of each size (tokens 1..n) on an empty cache, then an empty cache and no calls
+        counted: load-time checks and warm-up, never a request's."""
+        outs = [self.forward(np.arange(1, n + 1), np.arange(n), np.tril(np.ones((n, n), dtype=bool))) for n in sizes]
         self.reset()
         self.calls, self.seconds = 0, 0.0
-        return bool(np.array_equal(rows[0], rows[1]))
+        return outs
 
     def _one_graph(self, graph) -> bool:
         """Whether every record of this model is the one dynamic-T graph (one session)."""
