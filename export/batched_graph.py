@@ -33,6 +33,7 @@ from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import (
     DECODER,
     FEATURES,
+    FUSED,
     FUSED_BATCHED,
     HIDDEN,
     INPUT_IDS,
@@ -99,15 +100,16 @@ def batched_reference_call(feeds: dict, ref: TorchReference, runs: int) -> tuple
 
 
 def write_batched_target(causal_lm, out: Path, max_context: int, ref_feeds: dict, ref_outputs: TorchReference,
-                         tokens: int) -> GraphRecord:
+                         tokens: int, reuse: tuple[SharedWeights, ...] = ()) -> GraphRecord:
     """Write the batched target graph into `out` and its reference (batched_reference_call of the
     batch-1 fused graph's call of `tokens`; `ref_feeds`/`ref_outputs`: the portable graph's).
-    The graph outputs logits and hidden states only (no EAGLE-3 features)."""
+    The graph outputs logits and hidden states only (no EAGLE-3 features). `reuse`: weight files
+    already written that hold its weights (the fused target's: all but its longer RoPE tables)."""
     name = batched_graph_name(TARGET)
     # RoPE rows up to max_context inclusive: the slots' trash row (runtime/batching/kv_slots.py)
     model = build_fused_decoder(causal_lm, tokens, max_context + EXTRA_ROWS, batched=True, runs=RUNS)
     path = out / graph_file(name)
-    SharedWeights(out, weights_file(TARGET, FUSED_BATCHED)).externalize(model, path)
+    SharedWeights(out, weights_file(TARGET, FUSED_BATCHED), reuse).externalize(model, path)
     onnx.save(model, str(path))
     fused = fused_feeds(ref_feeds, tokens)
     feeds, ref = batched_reference_call(fused, ref_outputs.map(lambda outs: fused_reference(fused, outs, tokens)),
@@ -156,7 +158,10 @@ def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:
         # An unrecorded one from before: new files, not rewritten in place (a hard-linked copy of
         # this export, or a server still running it, keeps the old ones)
         path.unlink(missing_ok=True)
-    record = write_batched_target(causal_lm, root, manifest.max_context, feeds, outputs, tokens)
+    # the weights the fused target's graphs already store (checksummed, never rewritten) are read there
+    fused = [manifest.graph_path(g) for g in manifest.graphs.values() if g.model == TARGET and g.flavor == FUSED]
+    record = write_batched_target(causal_lm, root, manifest.max_context, feeds, outputs, tokens,
+                                  SharedWeights.written(fused))
     add_graph(root, record, [record.file, weights_file(TARGET, FUSED_BATCHED)])
     return manifest.graph_path(record)
 

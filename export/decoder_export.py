@@ -65,7 +65,12 @@ class DecoderExporter:
 
     def __init__(self, name: str, model, source: Path, out: Path, dtype: str, max_context: int, progress,
                  feature_layers: tuple[int, ...] = (), fused: bool = True, batched_tokens: int | None = None,
-                 vocab_subset: list[int] | None = None):
+                 vocab_subset: list[int] | None = None, reuse: DecoderExporter | None = None,
+                 reuse_fused: bool = False):
+        """Each payload is stored once (onnx_writer.SharedWeights): the fused graphs read the portable
+        file for the weights they keep as they are (all but the fused QKV), and `reuse`, an exporter
+        written before, lends its portable file always (never rewritten) and its fused one when
+        `reuse_fused` (that model is not quantized after)."""
         self.name, self.out, self.progress = name, out, progress
         self.feature_layers = tuple(feature_layers)
         self.record = model_spec(name, model, source, self.feature_layers)  # input ids: the full vocabulary
@@ -78,14 +83,17 @@ class DecoderExporter:
         self.wrapper = DecoderGraph(model, feature_layers).eval()
         self.dtype = torch_dtype(dtype)
         self.max_context = max_context
-        self.weights = SharedWeights(out, weights_file(name))
+        self.weights = SharedWeights(out, weights_file(name), () if reuse is None else (reuse.weights,))
         io = decoder_io(self.record.num_layers, bool(feature_layers))
         self.inputs, self.outputs = list(io.inputs), list(io.outputs)
         self.fused = fused and dtype in FUSED_DTYPES
         if fused and not self.fused:
             progress(f"  {name}: no fused graphs for {dtype} (they are {', '.join(FUSED_DTYPES)} only); "
                      "ONNX Runtime will run the portable graphs")
-        self.fused_weights = SharedWeights(out, weights_file(name, FUSED)) if self.fused else None
+        fused_reuse = (self.weights,) + (() if reuse is None else (reuse.weights,))
+        if reuse is not None and reuse_fused and reuse.fused_weights is not None:
+            fused_reuse += (reuse.fused_weights,)
+        self.fused_weights = SharedWeights(out, weights_file(name, FUSED), fused_reuse) if self.fused else None
         # the call whose reference the batched graph (export/batched_graph.py) shares, if it is written
         self.batched_tokens = batched_tokens if self.fused else None
         self.traced: Path | None = None  # the portable graph traced for the first T
@@ -118,7 +126,9 @@ class DecoderExporter:
             made[fused.name] = fused
         if tokens == self.batched_tokens:
             start = time.perf_counter()
-            batched = write_batched_target(self.model, self.out, self.max_context, ref_feeds, ref_outputs, tokens)
+            # its weights are the fused graph's (written by now, and not quantized: no batched graph then)
+            batched = write_batched_target(self.model, self.out, self.max_context, ref_feeds, ref_outputs, tokens,
+                                           reuse=(self.fused_weights,))
             made[batched.name] = batched
             self.progress(f"  wrote {batched.file} (batched, for serve --batch) in {time.perf_counter() - start:.1f}s")
         return made
@@ -142,8 +152,11 @@ def draft_token_counts(cfg: ExportConfig) -> list[int]:
 
 
 def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: ExportConfig, methods: dict,
-                 steps: dict[str, MethodExport], token_counts: list[int], fused: bool, batched: bool, progress):
-    """Graphs, references and tokenizer files into `out` (the staging directory); (graphs, models)."""
+                 steps: dict[str, MethodExport], token_counts: list[int], fused: bool, batched: bool, progress,
+                 quantized: frozenset[str] = frozenset()):
+    """Graphs, references and tokenizer files into `out` (the staging directory); (graphs, models).
+    `quantized`: the models whose fused weight files quantization rewrites after: no other model's
+    graph may reference those (a payload another model shares is stored once, in the target's files)."""
     torch.manual_seed(0)
     graphs, models = {}, {}
     progress(f"loading target from {target} ({dtype})")
@@ -162,7 +175,7 @@ def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: E
         subset = read_draft_vocab(Path(draft), methods["draft"].draft_vocab, draft_model.config.vocab_size, DRAFT,
                                   progress)
         dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused,
-                               vocab_subset=subset)
+                               vocab_subset=subset, reuse=exporter, reuse_fused=TARGET not in quantized)
         if subset is not None:
             progress(f"  the draft drafts among the {len(subset)} most frequent tokens (draft_vocab.json)")
         models[DRAFT] = dexp.record
@@ -170,7 +183,12 @@ def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: E
             graphs.update(dexp.export(t))
     ctx = {"out": out, "target_model": target_model, "graphs": graphs, "models": models,
            "methods": methods, "cfg": cfg, "dtype": dtype, "progress": progress,
-           "fused": fused and dtype in FUSED_DTYPES}
+           "fused": fused and dtype in FUSED_DTYPES,
+           # the target's weight files a head's graphs may reference (its embedding), per flavor; the
+           # fused one only if quantization does not rewrite it
+           "target_weights": {PORTABLE: (exporter.weights,),
+                              FUSED: (exporter.weights,) + (() if TARGET in quantized or exporter.fused_weights is None
+                                                            else (exporter.fused_weights,))}}
     for step in steps.values():
         step(ctx)
     tok_dir = out / "tokenizer"

@@ -23,6 +23,7 @@ from ..runtime.graph_contract import (
     FUSED,
     INPUT_IDS,
     KV_KINDS,
+    PORTABLE,
     POSITION_IDS,
     TREE_MASK,
     GraphRecord,
@@ -91,11 +92,14 @@ def sample_feeds(t: int, width: int, past: int, draft_rows: int, head: EagleHead
 
 
 def export_head_graphs(head: EagleHead, plan: dict, out: Path, max_context: int, progress,
-                       fused: bool = False) -> dict[str, GraphRecord]:
-    """One graph per (feature width, T), and its fused twin when `fused`; returns their manifest records."""
+                       fused: bool = False, target_weights: dict | None = None) -> dict[str, GraphRecord]:
+    """One graph per (feature width, T), and its fused twin when `fused`; returns their manifest records.
+    `target_weights`: {flavor: the target's weight files that flavor's graphs may reference} (the
+    head's embedding is the target's: stored once)."""
     wrapper = EagleDraftGraph(head, plan["top_k"]).eval()
-    weights = SharedWeights(out, weights_file(EAGLE))
-    fused_weights = SharedWeights(out, weights_file(EAGLE, FUSED)) if fused else None
+    reuse = target_weights or {}
+    weights = SharedWeights(out, weights_file(EAGLE), reuse.get(PORTABLE, ()))
+    fused_weights = SharedWeights(out, weights_file(EAGLE, FUSED), (weights, *reuse.get(FUSED, ()))) if fused else None
     io = eagle_draft_io(head.num_layers)
     inputs, outputs = list(io.inputs), list(io.outputs)
     dynamic = {n: {1: "past_len"} for n in inputs if is_past(n)}
@@ -147,7 +151,7 @@ class EagleHeadExporter(MethodExport):
         ctx["models"][EAGLE] = head_record(head, plan["top_k"], self.feature_layers)
         fused = ctx.get("fused", False) and head.fc.weight.dtype == torch.float32
         ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"].max_context, ctx["progress"],
-                                                fused))
+                                                fused, ctx.get("target_weights")))
 
     def _draft_vocab(self, size: int, progress) -> None:
         """eagle.draft_vocab N: draft among the head's N most frequent target tokens, when it says which."""

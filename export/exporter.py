@@ -121,7 +121,8 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         # A quantized target's rows would not equal its batch-1 output through a float batched graph.
         batched = batched and (quantize is None or TARGET not in quantize.schemes)
         graphs, models = write_graphs(stage.path, target, draft, dtype, cfg, methods, steps, token_counts,
-                                      fused, batched, progress)
+                                      fused, batched, progress,
+                                      frozenset(quantize.schemes) if quantize is not None else frozenset())
         facts = {}
         if quantize is not None:  # over the written fused graphs, before their checksums
             from .quantize import quantize_export

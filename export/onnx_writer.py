@@ -27,37 +27,80 @@ ALIGN = 64
 
 
 class SharedWeights:
-    """Appends tensors to one external-data file, each distinct payload once."""
+    """Appends tensors to one external-data file, each distinct payload once.
 
-    def __init__(self, root: Path, rel_path: str):
+    `reuse`: other models' weight files written earlier in this export and never rewritten after
+    (portable files; a fused file whose model is not quantized). A payload one of them already
+    holds is referenced there instead of written again: a self-draft's portable graphs are the
+    target's weights (0.65 GB on SmolLM2), the batched graph is the fused target's but for its
+    RoPE tables, an EAGLE head's embedding is the target's. The file is created by the first
+    payload it takes: one whose every payload lives elsewhere leaves none."""
+
+    def __init__(self, root: Path, rel_path: str, reuse: tuple[SharedWeights, ...] = ()):
         self.root, self.rel_path = root, rel_path
         self.path = root / rel_path
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_bytes(b"")
+        self.path.unlink(missing_ok=True)  # a rewrite (quantization) starts from nothing
         self.offsets: dict[str, tuple[int, int]] = {}
+        self.reuse = tuple(reuse)
+
+    @classmethod
+    def written(cls, graph_files) -> tuple[SharedWeights, ...]:
+        """Indexes of the weight files the graphs in `graph_files` read, as written, to be reused
+        (nothing is appended to them)."""
+        indexes: dict[Path, SharedWeights] = {}
+        seen: set[tuple[Path, int]] = set()  # every static T's graph reads the same payloads
+        for graph_file in graph_files:
+            for tensor in onnx.load(str(graph_file), load_external_data=False).graph.initializer:
+                if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                    continue
+                entry = {e.key: e.value for e in tensor.external_data}
+                path = (Path(graph_file).parent / entry["location"]).resolve()
+                index = indexes.get(path)
+                if index is None:
+                    index = indexes[path] = cls.__new__(cls)
+                    index.root, index.rel_path, index.path, index.offsets, index.reuse = None, None, path, {}, ()
+                offset, length = int(entry.get("offset", 0)), int(entry["length"])
+                if (path, offset) in seen:
+                    continue
+                seen.add((path, offset))
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    index.offsets[hashlib.sha256(f.read(length)).hexdigest() + str(tensor.data_type)] = (offset, length)
+        return tuple(indexes.values())
+
+    def holder(self, key: str) -> SharedWeights | None:
+        """The file that already holds the payload `key`: this one first, then those it reuses (and theirs)."""
+        if key in self.offsets:
+            return self
+        return next((h for w in self.reuse if (h := w.holder(key)) is not None), None)
+
+    def _append(self, key: str, payload: bytes) -> None:
+        with open(self.path, "ab") as out:
+            out.write(b"\0" * ((-out.tell()) % ALIGN))
+            self.offsets[key] = (out.tell(), len(payload))
+            out.write(payload)
 
     def externalize(self, model: onnx.ModelProto, graph_file: Path) -> None:
-        location = os.path.relpath(self.path, graph_file.parent)
-        with open(self.path, "ab") as out:
-            for tensor in model.graph.initializer:
-                payload = numpy_helper.to_array(tensor).tobytes()
-                if len(payload) < INLINE_LIMIT:
-                    continue
-                key = hashlib.sha256(payload).hexdigest() + str(tensor.data_type)
-                if key not in self.offsets:
-                    pad = (-out.tell()) % ALIGN
-                    out.write(b"\0" * pad)
-                    self.offsets[key] = (out.tell(), len(payload))
-                    out.write(payload)
-                offset, length = self.offsets[key]
-                tensor.ClearField("raw_data")
-                for fld in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-                    tensor.ClearField(fld)
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                del tensor.external_data[:]
-                for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = k, v
+        for tensor in model.graph.initializer:
+            payload = numpy_helper.to_array(tensor).tobytes()
+            if len(payload) < INLINE_LIMIT:
+                continue
+            key = hashlib.sha256(payload).hexdigest() + str(tensor.data_type)
+            holder = self.holder(key)
+            if holder is None:
+                holder = self
+                self._append(key, payload)
+            offset, length = holder.offsets[key]
+            tensor.ClearField("raw_data")
+            for fld in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(fld)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            location = os.path.relpath(holder.path, graph_file.parent)
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = k, v
 
 
 def decoder_dynamic_axes(input_names, output_names) -> dict[str, dict[int, str]]:

@@ -255,6 +255,11 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
     from .onnx_writer import SharedWeights
 
     models = {}
+    for model in plan.schemes:
+        _no_foreign_readers(out, graphs, model)
+    # the weight files no quantization rewrites: what the graphs it leaves alone read
+    kept = SharedWeights.written(out / g.file for g in graphs.values()
+                                 if not (g.model in plan.schemes and g.flavor == FUSED))
     for model, scheme in plan.schemes.items():
         records = [g for g in graphs.values() if g.model == model and g.flavor == FUSED]
         if not records:
@@ -265,8 +270,11 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
             by_content.setdefault(hashlib.sha256(path.read_bytes()).hexdigest(), []).append(path)
         # Load every content (weights into memory) before the shared weights file is rewritten.
         loaded = [(paths, onnx.load(str(paths[0]), load_external_data=True)) for paths in by_content.values()]
-        before = (out / weights_file(model, FUSED)).stat().st_size
-        weights = SharedWeights(out, weights_file(model, FUSED))  # truncates the float file: rewritten below
+        # the float payload (a self-draft's lives in the target's file, which is not rewritten)
+        before = sum(size for _, size in {(t.name, len(t.raw_data)) for _, m in loaded for t in m.graph.initializer})
+        # the float file is removed and rewritten below; what stays float (norms, an untied embedding,
+        # RoPE tables) is read where the export's other files already hold it
+        weights = SharedWeights(out, weights_file(model, FUSED), kept)
         embeddings = set()
         # every content padded or none: the manifest's attention_pad speaks for the model
         pad = model == TARGET and row_exact_matmuls(scheme) and all(can_pad(m.graph) for _, m in loaded)
@@ -293,6 +301,20 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
         elif model == TARGET:
             _no_single_row_calls(out, graphs, progress)
     return {"method": METHOD, "flavor": FUSED, "models": models}
+
+
+def _no_foreign_readers(out: Path, graphs: dict[str, GraphRecord], model: str) -> None:
+    """Quantizing `model` rewrites its fused weight file: no other model's graph may read it
+    (export/onnx_writer.SharedWeights reuses only files that stay; this holds it to that)."""
+    from ..runtime.onnx_external import external_data_locations
+
+    rewritten = (out / weights_file(model, FUSED)).resolve()
+    for g in graphs.values():
+        if g.model == model and g.flavor == FUSED:
+            continue
+        path = out / g.file
+        if any((path.parent / loc).resolve() == rewritten for loc in external_data_locations(path)):
+            raise AssertionError(f"{g.file} reads {weights_file(model, FUSED)}, which quantizing {model} rewrites")
 
 
 def row_exact_matmuls(scheme: WeightScheme) -> bool:

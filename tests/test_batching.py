@@ -335,6 +335,11 @@ def test_an_older_export_gets_its_batched_graph_from_the_manual_step(micro_famil
     assert record is not None and "weights/target.fused_batched.bin" in load_manifest(old).files
     for rel in ("target_fused_batched.onnx", "weights/target.fused_batched.bin"):  # new files, the links left
         assert not os.path.samefile(old / rel, micro_export / rel)
+    import onnx  # its weights are the fused target's, read where the export stores them: its own file
+
+    own = {t.name for t in onnx.load(str(old / "target_fused_batched.onnx"), load_external_data=False).graph.initializer
+           if any(e.key == "location" and e.value.endswith("target.fused_batched.bin") for e in t.external_data)}
+    assert own == {"rope.cos", "rope.sin"}, own  # holds only its longer RoPE tables
     alone, _ = services
     job = dict(prompt="Once upon a time", method="ar", max_new_tokens=6, ignore_eos=True)
     assert Service.load(old, batch=2).generate(**job).token_ids == alone.generate(**job).token_ids

@@ -5,8 +5,10 @@ stop rule drafts fewer tokens the higher it is set."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
+import onnx
 import pytest
 
 PROMPTS = [
@@ -18,14 +20,15 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def self_draft(micro_family, tmp_path_factory):
+def self_draft(micro_with_heads, tmp_path_factory):
     from specdeploy.cli import main
 
+    family = micro_with_heads
     out = tmp_path_factory.mktemp("self-draft") / "export"
     config = out.parent / "config.yaml"  # as make export's: a draft vocabulary for a distilled draft
     config.write_text("methods:\n  draft: {draft_vocab: 64}\n")
-    code = main(["export", "--target", str(micro_family / "target"), "--draft", "self", "--out", str(out),
-                 "--config", str(config)])
+    code = main(["export", "--target", str(family / "target"), "--draft", "self", "--out", str(out),
+                 "--config", str(config), "--eagle", str(family / "eagle"), "--medusa", str(family / "medusa")])
     assert code == 0
     return out
 
@@ -42,6 +45,52 @@ def test_the_draft_is_the_target_with_int4_weights(self_draft, micro_family):
     methods = manifest["methods"]
     assert methods["draft"]["stop_below"] == 0.4 and methods["draft"]["k"] >= 4
     assert methods["draft"]["draft_vocab"] == 0  # the whole LM head, and the manifest says so
+
+
+def test_the_targets_weights_are_stored_once(self_draft):
+    """The draft's portable graphs (TensorRT's source, the check's float reference) are the target's
+    weights: they read the target's file, and the export holds no second copy; the draft's own file
+    holds its int4 fused weights only."""
+    from specdeploy.runtime.manifest import load_manifest
+    from specdeploy.runtime.onnx_external import external_data_locations
+
+    manifest = load_manifest(self_draft)  # every file checksummed, every location inside the export
+    weights = sorted(rel for rel in manifest.files if rel.startswith("weights/"))
+    assert "weights/draft.bin" not in weights and not (self_draft / "weights" / "draft.bin").exists(), weights
+    for g in manifest.graphs.values():
+        reads = {(manifest.graph_path(g).parent / loc).resolve().relative_to(self_draft.resolve()).as_posix()
+                 for loc in external_data_locations(manifest.graph_path(g))}
+        if g.model == "draft" and g.flavor == "portable":
+            assert reads == {"weights/target.bin"}, (g.name, reads)
+        if g.model == "draft" and g.flavor == "fused":
+            # its int4 weights its own; what stays float (norms, RoPE tables) read from the target's files
+            assert "weights/draft.fused.bin" in reads and reads - {"weights/draft.fused.bin"} <= {
+                "weights/target.bin", "weights/target.fused.bin"}, reads
+        assert reads <= set(weights), (g.name, reads)
+    stored: dict[str, set] = {}  # payload sha256 -> where the graphs read it
+    for g in manifest.graphs.values():
+        for t in onnx.load(str(manifest.graph_path(g)), load_external_data=False).graph.initializer:
+            entry = {e.key: e.value for e in t.external_data}
+            if entry:
+                where = ((manifest.graph_path(g).parent / entry["location"]).resolve(), int(entry["offset"]))
+                with open(where[0], "rb") as f:
+                    f.seek(where[1])
+                    digest = hashlib.sha256(f.read(int(entry["length"]))).hexdigest()
+                stored.setdefault(digest, set()).add(where)
+    # a fused graph reads the portable file for what it keeps as is, a quantized one for what stays
+    # float, the EAGLE head the target's embedding: no payload is stored twice in the export
+    assert all(len(places) == 1 for places in stored.values()), [sorted(p) for p in stored.values() if len(p) > 1]
+    # the fused target reads the portable file for all it keeps as is: it stores its fused QKV and
+    # RoPE tables, the batched graph its longer RoPE tables only, the int4 draft its MatMulNBits weights
+    own = {}
+    for g in manifest.graphs.values():
+        for t in onnx.load(str(manifest.graph_path(g)), load_external_data=False).graph.initializer:
+            entry = {e.key: e.value for e in t.external_data}
+            if entry and entry["location"].endswith(f"{g.model}.{g.flavor}.bin"):
+                own.setdefault(g.name, set()).add(t.name)
+    assert own["target_fused_batched"] == {"rope.cos", "rope.sin"}, own["target_fused_batched"]
+    assert own["target_fused_t1"] <= {"rope.cos", "rope.sin"} | {f"layers.{i}.qkv.weight" for i in range(64)}, \
+        own["target_fused_t1"]
 
 
 def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):

@@ -186,9 +186,19 @@ print(json.dumps({"base": base, **rss()}))
 
 
 def _weights_and_kv(export: Path, pool: int) -> tuple[int, int]:
-    """Bytes of the weights files ORT CPU runs (the fused ones), and of the pool's KV caches."""
+    """Bytes of the weights ORT CPU runs (what the fused graphs read, in whichever file: a payload
+    is stored once per export), and of the pool's KV caches."""
+    import onnx
+
     manifest = json.loads((export / "manifest.json").read_text())
-    weights = sum((export / rel).stat().st_size for rel in manifest["files"] if rel.endswith(".fused.bin"))
+    read = set()
+    for g in manifest["graphs"].values():
+        if g.get("flavor") == "fused":
+            for t in onnx.load(str(export / g["file"]), load_external_data=False).graph.initializer:
+                entry = {e.key: e.value for e in t.external_data}
+                if entry:
+                    read.add((entry["location"], int(entry["offset"]), int(entry["length"])))
+    weights = sum(length for _, _, length in read)
     kv = sum(2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * manifest["max_context"] * 4
              for m in manifest["models"].values())
     return weights, kv * pool
