@@ -99,6 +99,15 @@ class DecoderExporter:
         self.traced: Path | None = None  # the portable graph traced for the first T
         self.fused_built: Path | None = None  # and its fused twin
 
+    def same_graphs_as(self, other: DecoderExporter, fused: bool) -> None:
+        """This model's graphs are `other`'s (a self-draft of a target without feature outputs): copy
+        its written graph files rather than trace and build them again (~15 s on SmolLM2); they read
+        `other`'s weight files, so its fused one only if `fused` (not rewritten by quantization)."""
+        assert other.feature_layers == self.feature_layers == () and other.record.vocab_size == self.record.vocab_size
+        self.traced = other.traced
+        if fused:
+            self.fused_built = other.fused_built
+
     def export(self, tokens: int) -> dict[str, GraphRecord]:
         """The portable graph for `tokens` (and its fused twin), each with its PyTorch reference."""
         graph = decoder_graph_name(self.name, tokens)
@@ -178,6 +187,8 @@ def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: E
                                vocab_subset=subset, reuse=exporter, reuse_fused=TARGET not in quantized)
         if subset is not None:
             progress(f"  the draft drafts among the {len(subset)} most frequent tokens (draft_vocab.json)")
+        elif same and not feature_layers:
+            dexp.same_graphs_as(exporter, fused=TARGET not in quantized)
         models[DRAFT] = dexp.record
         for t in draft_token_counts(cfg):
             graphs.update(dexp.export(t))
