@@ -162,7 +162,8 @@ def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:
     fused = [manifest.graph_path(g) for g in manifest.graphs.values() if g.model == TARGET and g.flavor == FUSED]
     record = write_batched_target(causal_lm, root, manifest.max_context, feeds, outputs, tokens,
                                   SharedWeights.written(fused))
-    add_graph(root, record, [record.file, weights_file(TARGET, FUSED_BATCHED)])
+    own = weights_file(TARGET, FUSED_BATCHED)  # none if every payload were stored elsewhere already
+    add_graph(root, record, [record.file] + ([own] if (root / own).is_file() else []))
     return manifest.graph_path(record)
 
 
