@@ -26,6 +26,7 @@ from ..runtime.graph_contract import (
     MEDUSA_HEADS,
     MEDUSA_HEADS_GRAPH,
     MEDUSA_HEADS_IO,
+    PORTABLE,
     TARGET,
     GraphRecord,
     graph_file,
@@ -95,7 +96,7 @@ class MedusaHeadsExporter(MethodExport):
         name = MEDUSA_HEADS_GRAPH
         sample = np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)
         export_module(wrapper, [torch.from_numpy(sample)], out / graph_file(name), INPUTS, OUTPUTS,
-                      {}, SharedWeights(out, weights_file("medusa")))
+                      {}, SharedWeights(out, weights_file("medusa"), ctx.get("target_weights", {}).get(PORTABLE, ())))
         ref = {HIDDEN: np.random.default_rng(1).standard_normal((1, hidden)).astype(np.float32)}
         save_reference(out, name, ref, torch_reference(wrapper, ref, INPUTS, OUTPUTS))
         ctx["graphs"][name] = GraphRecord.new(name, TARGET, MEDUSA_HEADS, 1, extra={

@@ -55,7 +55,8 @@ class SharedWeights:
                 if tensor.data_location != onnx.TensorProto.EXTERNAL:
                     continue
                 entry = {e.key: e.value for e in tensor.external_data}
-                path = (Path(graph_file).parent / entry["location"]).resolve()
+                # absolute, symlinks kept: externalize writes it relative to a graph's dir as given
+                path = Path(os.path.abspath(Path(graph_file).parent / entry["location"]))
                 index = indexes.get(path)
                 if index is None:
                     index = indexes[path] = cls.__new__(cls)

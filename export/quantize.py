@@ -288,7 +288,8 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
             data = paths[0].read_bytes()
             for other in paths[1:]:  # the same content for every static T: written once, copied
                 other.write_bytes(data)
-        after = weights.path.stat().st_size
+        after = weights.path.stat().st_size if weights.path.exists() else 0  # all its payloads stored before
+        kept += (weights,)  # written once: a model quantized after this one may read it (RoPE tables, a head)
         models[model] = scheme.to_json("shared" if embeddings == {"shared"} else "float")
         if pad:  # a call writes one key and value past its rows (runtime/decoder.py: spare)
             models[model]["attention_pad"] = 1

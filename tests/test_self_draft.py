@@ -67,19 +67,9 @@ def test_the_targets_weights_are_stored_once(self_draft):
             assert "weights/draft.fused.bin" in reads and reads - {"weights/draft.fused.bin"} <= {
                 "weights/target.bin", "weights/target.fused.bin"}, reads
         assert reads <= set(weights), (g.name, reads)
-    stored: dict[str, set] = {}  # payload sha256 -> where the graphs read it
-    for g in manifest.graphs.values():
-        for t in onnx.load(str(manifest.graph_path(g)), load_external_data=False).graph.initializer:
-            entry = {e.key: e.value for e in t.external_data}
-            if entry:
-                where = ((manifest.graph_path(g).parent / entry["location"]).resolve(), int(entry["offset"]))
-                with open(where[0], "rb") as f:
-                    f.seek(where[1])
-                    digest = hashlib.sha256(f.read(int(entry["length"]))).hexdigest()
-                stored.setdefault(digest, set()).add(where)
     # a fused graph reads the portable file for what it keeps as is, a quantized one for what stays
     # float, the EAGLE head the target's embedding: no payload is stored twice in the export
-    assert all(len(places) == 1 for places in stored.values()), [sorted(p) for p in stored.values() if len(p) > 1]
+    _assert_each_payload_stored_once(manifest)
     # the fused target reads the portable file for all it keeps as is: it stores its fused QKV and
     # RoPE tables, the batched graph its longer RoPE tables only, the int4 draft its MatMulNBits weights
     own = {}
@@ -91,6 +81,48 @@ def test_the_targets_weights_are_stored_once(self_draft):
     assert own["target_fused_batched"] == {"rope.cos", "rope.sin"}, own["target_fused_batched"]
     assert own["target_fused_t1"] <= {"rope.cos", "rope.sin"} | {f"layers.{i}.qkv.weight" for i in range(64)}, \
         own["target_fused_t1"]
+
+
+def _assert_each_payload_stored_once(manifest) -> None:
+    stored: dict[str, set] = {}  # payload sha256 -> where the graphs read it
+    for g in manifest.graphs.values():
+        for t in onnx.load(str(manifest.graph_path(g)), load_external_data=False).graph.initializer:
+            entry = {e.key: e.value for e in t.external_data}
+            if entry:
+                where = ((manifest.graph_path(g).parent / entry["location"]).resolve(), int(entry["offset"]))
+                with open(where[0], "rb") as f:
+                    f.seek(where[1])
+                    digest = hashlib.sha256(f.read(int(entry["length"]))).hexdigest()
+                stored.setdefault(digest, set()).add(where)
+    assert all(len(places) == 1 for places in stored.values()), [sorted(p) for p in stored.values() if len(p) > 1]
+
+
+@pytest.mark.parametrize("extra", [["--weights", "int8"], ["--heads-weights", "int4"]])
+def test_quantized_exports_read_each_payload_where_it_is_stored(micro_with_heads, tmp_path, extra):
+    """An int8 target with its int4 self-draft (both rewritten; the draft's fused graph built, not
+    copied, since the target's fused file is rewritten), and a float target with an int4 EAGLE head
+    (whose float graph read the target's fused file): every graph loads from what the export stores,
+    each payload once, and the methods still print `ar`'s tokens."""
+    from specdeploy.cli import main
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.manifest import load_manifest
+
+    family, out = micro_with_heads, tmp_path / "export"
+    code = main(["export", "--target", str(family / "target"), "--draft", "self", "--out", str(out),
+                 "--eagle", str(family / "eagle"), "--medusa", str(family / "medusa"), *extra])
+    assert code == 0
+    manifest = load_manifest(out)  # checksums and containment of every file a graph reads
+    assert set(manifest.quantization["models"]) == ({"target", "draft", "eagle"} if "--weights" in extra
+                                                    else {"draft", "eagle"})
+    _assert_each_payload_stored_once(manifest)
+    export = LoadedExport(out)
+    for text in PROMPTS[:2]:
+        ids = export.tokenizer.encode(text)
+        ar = generate(export, ids, method="ar", max_new_tokens=24, ignore_eos=True).token_ids
+        for method in ("draft", "eagle", "medusa"):
+            got = generate(export, ids, method=method, max_new_tokens=24, ignore_eos=True, adaptive=False)
+            assert got.token_ids == ar, (method, text)
 
 
 def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):
