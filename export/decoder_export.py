@@ -6,6 +6,7 @@ only then, so a bad input is reported in a second rather than after ~10 s of imp
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import replace
@@ -36,7 +37,7 @@ from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import is_self_draft, load_causal_lm, torch_dtype
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, decoder_dynamic_axes, export_module
-from .reference import decoder_feeds, save_reference, torch_reference
+from .reference import CHECK_DIR, decoder_feeds, reference_paths, save_reference, torch_reference
 
 DRAFT_VOCAB_IDS = "draft_vocab.npy"  # int64 [N]: the target id of each column of a restricted LM head's logits
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -98,6 +99,7 @@ class DecoderExporter:
         self.batched_tokens = batched_tokens if self.fused else None
         self.traced: Path | None = None  # the portable graph traced for the first T
         self.fused_built: Path | None = None  # and its fused twin
+        self.same_as: DecoderExporter | None = None  # whose written graphs this model's are (same_graphs_as)
 
     def same_graphs_as(self, other: DecoderExporter, fused: bool) -> None:
         """This model's graphs are `other`'s (a self-draft of a target without feature outputs): copy
@@ -107,6 +109,29 @@ class DecoderExporter:
         self.traced = other.traced
         if fused:
             self.fused_built = other.fused_built
+        self.same_as = other
+
+    def _linked_references(self, tokens: int) -> bool:
+        """For a copy of `same_as`'s graphs: its references of this T (the same graph, called with the
+        same seeded feeds) hard-linked under this model's names, not computed and stored again.
+        False where it has none (a T only this model exports) or a graph here is not its copy."""
+        other = self.same_as
+        names = [(decoder_graph_name(other.name, tokens), decoder_graph_name(self.name, tokens))]
+        if self.fused:
+            if self.fused_built is None or self.fused_built != other.fused_built:
+                return False
+            names.append((decoder_graph_name(other.name, tokens, FUSED), decoder_graph_name(self.name, tokens, FUSED)))
+        check = self.out / CHECK_DIR
+        pairs = [(src, dst) for theirs, ours in names
+                 for src, dst in zip(reference_paths(check, theirs), reference_paths(check, ours))]
+        if not all(src.is_file() for src, _ in pairs):
+            return False
+        for src, dst in pairs:
+            try:
+                os.link(src, dst)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(src, dst)
+        return True
 
     def export(self, tokens: int) -> dict[str, GraphRecord]:
         """The portable graph for `tokens` (and its fused twin), each with its PyTorch reference."""
@@ -124,6 +149,15 @@ class DecoderExporter:
             self.traced = path
         else:  # the same graph for this T: copied, not traced again (~15 s a graph on SmolLM2), then
             shutil.copyfile(self.traced, path)  # checked against this T's own reference like every graph
+        if self.same_as is not None and self.batched_tokens != tokens and self._linked_references(tokens):
+            made = {graph: GraphRecord.new(graph, self.name, DECODER, tokens, flavor=PORTABLE)}
+            if self.fused:
+                fused = decoder_graph_name(self.name, tokens, FUSED)
+                shutil.copyfile(self.fused_built, self.out / graph_file(fused))
+                made[fused] = GraphRecord.new(fused, self.name, DECODER, tokens, flavor=FUSED)
+            self.progress(f"  copied {self.same_as.name}'s graphs and references for T={tokens} "
+                          f"in {time.perf_counter() - start:.1f}s")
+            return made
         ref_feeds = decoder_feeds(tokens, min(37, self.max_context - tokens), geometry, vocab, self.dtype,
                                   seed=1000 + tokens)
         ref_outputs = torch_reference(self.wrapper, ref_feeds, self.inputs, self.outputs)

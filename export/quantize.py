@@ -253,6 +253,7 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
     """Rewrite the fused graphs of each planned model in the export at `out` (its staging dir);
     returns the manifest's `quantization` entry."""
     from .onnx_writer import SharedWeights
+    from .reference import CHECK_DIR, reference_paths
 
     models = {}
     for model in plan.schemes:
@@ -288,6 +289,9 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
             data = paths[0].read_bytes()
             for other in paths[1:]:  # the same content for every static T: written once, copied
                 other.write_bytes(data)
+        for g in records:  # their float references describe graphs no more: the task check holds them
+            for ref in reference_paths(out / CHECK_DIR, g.name):
+                ref.unlink(missing_ok=True)
         after = weights.path.stat().st_size if weights.path.exists() else 0  # all its payloads stored before
         kept += (weights,)  # written once: a model quantized after this one may read it (RoPE tables, a head)
         models[model] = scheme.to_json("shared" if embeddings == {"shared"} else "float")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import onnx
 import pytest
@@ -70,6 +71,12 @@ def test_the_targets_weights_are_stored_once(self_draft):
     # a fused graph reads the portable file for what it keeps as is, a quantized one for what stays
     # float, the EAGLE head the target's embedding: no payload is stored twice in the export
     _assert_each_payload_stored_once(manifest)
+    # its portable graphs' references are the target's (same graph, same seeded call): linked, and the
+    # int4 fused graphs keep no float reference (the task check holds them)
+    check = self_draft / "check"
+    assert os.path.samefile(check / "draft_t1.outputs.json", check / "target_t1.outputs.json")
+    assert (check / "draft_t2.outputs.json").is_file()  # a T the target does not export: its own
+    assert not list(check.glob("draft_fused_*")) and (check / "target_fused_t1.outputs.json").is_file()
     # the fused target reads the portable file for all it keeps as is: it stores its fused QKV and
     # RoPE tables, the batched graph its longer RoPE tables only, the int4 draft its MatMulNBits weights
     own = {}
