@@ -231,14 +231,18 @@ class SpeculationPolicy:
         self.sizes = DRAFT_SIZES  # draft sizes it weighs
         self.methods: dict[str, Acceptance] = {}
         self.draft_times: dict[str, float] = {}
+        self.catchup_times: dict[str, float] = {}  # a draft model's seconds per token it catches up on
         self._lock = threading.Lock()
 
     def draft_size(self, rows: int, survival: float | np.ndarray, most: int, draft_s: float = 0.0,
-                   plain_steps: int = 0) -> int:
+                   plain_steps: int = 0, per_draft: bool = False, catchup_s: float = 0.0) -> int:
         """Drafts for a row's next step (0: plain) with `rows` rows running, at most `most`;
         `survival`: the row's S(1..) (Acceptance.survival), or a per-draft rate a (S(j) = a^j);
-        `draft_s`: seconds its drafter takes to propose; `plain_steps`: the row's plain steps
-        since its last speculative one (enough of them buy a probe of one draft: EXPLORE)."""
+        `draft_s`: seconds its drafter takes to propose, or (`per_draft`: a draft model) one
+        draft; `plain_steps`: the row's plain steps since its last speculative one (enough of
+        them buy a probe of one draft: EXPLORE); `catchup_s`: what a draft model first spends
+        feeding those steps' tokens, a probe's price too (at 4 clients, probes that each fed a
+        draft model dozens of tokens while the batch waited ran at 0.92-0.95x plain batching)."""
         if most < 1:
             return 0
         if not self.enabled:
@@ -255,12 +259,15 @@ class SpeculationPolicy:
 
             def added(k: int) -> float:
                 return k * token + run
+        def drafting(k: int) -> float:
+            return k * draft_s if per_draft else draft_s
+
         best, best_k = 0.0, 0
         for k in sorted({min(k, most) for k in self.sizes}):
-            gain = (expected_tokens(survival, k) - 1) * per_token - (added(k) + draft_s)
+            gain = (expected_tokens(survival, k) - 1) * per_token - (added(k) + drafting(k))
             if gain > best:
                 best, best_k = gain, k
-        if best_k == 0 and EXPLORE * plain_steps * per_token >= added(1) + draft_s:
+        if best_k == 0 and EXPLORE * plain_steps * per_token >= added(1) + drafting(1) + catchup_s:
             return 1  # a probe
         return best_k
 
@@ -273,6 +280,15 @@ class SpeculationPolicy:
         with self._lock:
             old = self.draft_times.get(method)
             self.draft_times[method] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def observe_catchup(self, method: str, seconds: float, tokens: int) -> None:
+        with self._lock:
+            old, new = self.catchup_times.get(method), seconds / tokens
+            self.catchup_times[method] = new if old is None else (1 - EMA) * old + EMA * new
+
+    def catchup_s(self, method: str, tokens: int) -> float:
+        """Seconds a draft model takes to feed `tokens` committed without it (0 until measured)."""
+        return tokens * self.catchup_times.get(method, 0.0)
 
     def draft_s(self, method: str) -> float:
         """Seconds the method takes to propose (0 until measured: a method drafts once to learn it)."""
@@ -322,16 +338,30 @@ class LoadAwareDrafter(Drafter):
         if self._gated:
             return Proposal.root_only(state.tokens[-1])
         survival = self.acceptance.survival(self.policy.prior(self.name))
+        per_draft = self.inner.cost_per_draft
+        catchup = self.policy.catchup_s(self.name, self.plain_steps) if per_draft else 0.0
         k = self.policy.draft_size(max(1, self.batcher.active), survival, self.most, self.policy.draft_s(self.name),
-                                   self.plain_steps)
+                                   self.plain_steps, per_draft, catchup)
         if k and self.policy.enabled and not self.batcher.take_seat(self.slot):
             k = 0
         if k == 0:
             return Proposal.root_only(state.tokens[-1])
         start = time.perf_counter()
         proposal = self.inner.propose(state)
-        self.policy.observe_draft(self.name, time.perf_counter() - start)
-        return truncated(proposal, k)
+        seconds = time.perf_counter() - start
+        if not per_draft:
+            self.policy.observe_draft(self.name, seconds)
+            return truncated(proposal, k)
+        # A draft model: the policy said whether to draft; its own stop rule says how many (it drafts
+        # long runs where it is confident, which a k fitted to its average acceptance cut short: one
+        # row of a batched service at 0.97x plain decoding with the policy's k, 1.28x drafting freely).
+        calls_s, calls = self.inner.draft_calls
+        if calls:  # its first call also feeds what the model missed: timed apart from a draft's
+            self.policy.observe_draft(self.name, calls_s / calls)
+        caught_s, caught = self.inner.catchup
+        if caught:
+            self.policy.observe_catchup(self.name, caught_s, caught)
+        return proposal
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
         if proposal.size > 1:

@@ -82,6 +82,16 @@ class Drafter:
     # timing noise into plain steps (SmolLM2, 6 prompts a set, interleaved, load 3-5: prompt lookup
     # on code 1.76x ar with it, 1.89x without; suffix 1.96x vs 2.20x; no set slower without it).
     sizes_own_rows = False
+    # Its proposal costs one model call per draft and sizes itself (a draft model's stop rule), rather
+    # than a fixed price per step: a batch's policy prices a draft at the measured time of one and
+    # decides only whether the step drafts (runtime/batching/policy.py).
+    cost_per_draft = False
+    # the latest proposal's calls that each made one draft after its first (seconds, calls): what a
+    # draft costs. The first also feeds what the model has not seen (after plain steps, many tokens).
+    draft_calls: tuple[float, int] = (0.0, 0)
+    # and its first call when that fed more than the root and the last draft (seconds, tokens): the
+    # catch-up on tokens committed in plain steps, which a probe after many of them pays first
+    catchup: tuple[float, int] = (0.0, 0)
 
     def prefilled(self, target_out: StepOutput) -> None:
         """One chunk of the prompt's target prefill (before start()); EAGLE keeps its features."""

@@ -217,3 +217,20 @@ def test_calibration_times_shapes_in_turns_and_reads_no_dip_as_a_cheaper_call():
     costs.calibrate(ScriptedCalls(dip), [1, 2, 4], [2, 4, 8, 15])
     assert costs.call_s(4) >= costs.call_s(2)
     assert costs.run_s < 0.02  # the runs past 4 tokens priced off a flat curve, not a falling one
+
+
+def test_a_draft_model_is_priced_per_draft_and_its_probes_pay_its_catch_up():
+    """A draft model (cost_per_draft) pays one call per draft, not its whole chain's time per step:
+    priced so, a row alone drafts where a chain's price kept it plain (one row of SmolLM2's batched
+    service: 1.00 tokens per call before, 2.7 after, at 1.22x plain). A probe after plain steps first
+    feeds the draft model every token they committed: priced in, probes stop at a few rows."""
+    policy = SpeculationPolicy(cpu_like_costs())
+    one_draft, chain = 0.007, 0.007 * 6  # a draft call; the time of the chain its stop rule drafted
+    assert policy.draft_size(1, 0.6, most=8, draft_s=chain) == 0  # a chain's time per step: never drafts
+    assert policy.draft_size(1, 0.6, most=8, draft_s=one_draft, per_draft=True) > 0
+    assert policy.draft_size(8, 0.6, most=8, draft_s=one_draft, per_draft=True) == 0  # under load: plain
+    policy.observe_catchup("draft", 0.050, 50)  # 1 ms a token fed
+    assert policy.catchup_s("draft", 40) == 0.040
+    probe = next(n for n in range(1, 10_000) if policy.draft_size(4, 0.01, 8, one_draft, n, per_draft=True))
+    assert all(policy.draft_size(4, 0.01, 8, one_draft, n, per_draft=True, catchup_s=policy.catchup_s("draft", n))
+               == 0 for n in range(probe, 10 * probe))
