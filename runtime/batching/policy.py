@@ -14,7 +14,8 @@ more as a run of their own (its attention node beside the decode rows', graph.py
 decode rows; all measured (`CostModel`: at start-up by `calibrate`, then scaled by every
 call the scheduler runs to the machine's current load); draft: the method's measured time
 to propose (an EAGLE or draft model's calls run on the same cores as the target's, and the
-row is not ready for the call until it is done); n: the rows running. E(k): the tokens a
+row is not ready for the call until it is done; a draft model's per draft, k of them: its
+stop rule, not k, sizes its chain); n: the rows running. E(k): the tokens a
 step of k drafts yields, 1 + S(1) + ... + S(k), from the row's measured acceptance (S(j):
 the chance that at least j drafts are accepted, recent steps weighing most, the method's
 over all rows as the prior: `Acceptance`). With one row this is the batch-1 rule (speculate
