@@ -260,7 +260,8 @@ class SpeculationPolicy:
 
             def added(k: int) -> float:
                 return k * token + run
-        def drafting(k: int) -> float:
+
+        def drafting(k: int) -> float:  # a draft model's calls, one per draft; else its measured proposal
             return k * draft_s if per_draft else draft_s
 
         best, best_k = 0.0, 0

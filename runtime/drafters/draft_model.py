@@ -130,7 +130,7 @@ class DraftModelDrafter(Drafter):
         pending = state.tokens[cache.length :]
         room = cache.max_context - cache.length - len(pending)
         k = min(self.k, room)
-        self.draft_calls = (0.0, 0)
+        self.draft_calls, self.catchup = (0.0, 0), (0.0, 0)  # this proposal's, none yet
         if k <= 0:
             return Proposal.root_only(state.tokens[-1])
         start = time.perf_counter()
