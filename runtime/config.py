@@ -85,7 +85,8 @@ class ExportConfig:
 
     max_context: int = 512  # past + new tokens; bounds the dynamic past length
     prefill_chunk: int = 64  # prompt tokens per prefill call (a 250-token prompt: 45 ms vs 65 ms at 16,
-    #                          default family, 2 cores: fewer calls, fewer weight reads)
+    #                          default family, 2 cores: fewer calls, fewer weight reads); the exported
+    #                          graph size: ORT's fused CPU graph takes longer calls (backends/ort_decoder.py)
 
     def __post_init__(self):
         positive_int(self.max_context, "max_context", 2)

@@ -9,6 +9,9 @@ and the EAGLE head (drafters/eagle_head.py, whose rows also carry features).
   dynamic-T graph at any T (`call_sizes`; ORT's fused graphs), so calls are not padded;
 * fit(n): (rows, T) of the next call over n pending rows that also fits the room left
   (near the context end a smaller graph over fewer rows; prefill and catch-ups use it);
+* prefill_limit(chunk): rows per prefill call for an export whose prefill chunk is `chunk`; more
+  (`long_rows`) where the backend runs its one dynamic-T graph at any T and can score the last
+  row alone (ORT's fused graphs, backends/ort_decoder.py);
 * spare: positions a call writes past its own rows (a quantized target's padded attention row,
   export/attention_pad.py): a call must end that many positions before the context end;
 * forward(...): scores n rows after the cached past, padded to T by StaticCall; commits nothing;
@@ -22,6 +25,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +92,7 @@ def smallest_fit(sizes: list[int], n: int, what: str) -> int:
     return sizes[i]
 
 
-def fitting_call(sizes: list[int], n: int, room: int) -> tuple[int, int] | None:
+def fitting_call(sizes: Sequence[int], n: int, room: int) -> tuple[int, int] | None:
     """(rows, T) of the next call over n pending rows that never pads past the context end:
     the smallest graph in sorted `sizes` holding all n when it fits the `room` left, else the
     largest that fits, taking T rows (the caller calls again for the rest); None: none fits."""
@@ -108,6 +112,9 @@ class StaticDecoder:
         self.call_sizes = self.sizes  # the T a call may run at (see the module docstring)
         self.max_context = max_context
         self.spare = 0  # positions a call writes past its rows (module docstring)
+        # last-row prefill calls may take up to this many rows, past the largest graph (0: none may;
+        # a backend whose one graph runs at any T sets it)
+        self.long_rows = 0
         self.what = what  # names the model in messages
         self.calls = 0
         self.seconds = 0.0
@@ -115,8 +122,12 @@ class StaticDecoder:
     def graph_for(self, n: int) -> int:
         return smallest_fit(self.call_sizes if n <= self.sizes[-1] else self.sizes, n, self.what)
 
-    def fit(self, n: int, sizes: list[int] | None = None) -> tuple[int, int] | None:
+    def fit(self, n: int, sizes: Sequence[int] | None = None) -> tuple[int, int] | None:
         return fitting_call(self.call_sizes if sizes is None else sizes, n, self.room)
+
+    def prefill_limit(self, chunk: int) -> int:
+        """Rows per prefill call for an export whose prefill chunk is `chunk` (module docstring)."""
+        return max(chunk, self.long_rows)
 
     @property
     def room(self) -> int:
@@ -196,9 +207,12 @@ class Decoder(StaticDecoder):
         its last row's only (`forward(last_logits=True)`) unless `all_logits` (scoring a text).
         """
         tokens = np.asarray(tokens, dtype=np.int64)
+        # chunks past the largest graph: last-row calls at any T up to `long_rows` (module docstring)
+        longer = not all_logits and chunk > self.call_sizes[-1] and self.long_rows > self.call_sizes[-1]
+        sizes = range(self.call_sizes[0], min(chunk, self.long_rows) + 1) if longer else None
         last, s = None, 0
         while s < len(tokens):
-            call = self.fit(min(chunk, len(tokens) - s))
+            call = self.fit(min(chunk, len(tokens) - s), sizes)
             if call is None:
                 self._check_room(self.call_sizes[0])  # raises: not even the smallest graph fits
             assert call is not None

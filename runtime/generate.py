@@ -114,7 +114,8 @@ class Generation:
         target.reset()
         calls0, verify0 = target.calls, target.seconds
         try:
-            target.prefill(state.tokens[:-1], self.export.prefill_chunk, on_chunk=self._prefilled)
+            target.prefill(state.tokens[:-1], target.prefill_limit(self.export.prefill_chunk),
+                           on_chunk=self._prefilled)
         except _PrefillCancelled:
             self.finish_reason = "cancelled"
         self.stats["prefill_calls"] = target.calls - calls0

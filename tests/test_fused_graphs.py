@@ -113,3 +113,41 @@ def test_a_prefill_chunk_scores_only_its_last_row(micro_export):
         np.testing.assert_array_equal(buf[:, :, :11], kv_full[name])
     target.reset()
     assert target.prefill(ids, chunk=4).logits.shape[0] == 1  # chunks of 4, 4, 3: the last row's logits
+
+
+def test_a_long_prompt_is_prefilled_in_calls_past_the_largest_graph(micro_export):
+    """On the fused dynamic-T graph a prefill call takes up to LONG_PREFILL rows (fewer calls, each
+    streaming the weights once), and gives the same KV and logits, to the bit, as the export's chunks."""
+    import numpy as np
+
+    from specdeploy.runtime.backends.ort_decoder import LONG_PREFILL
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    export = LoadedExport(micro_export)
+    target = export.decoder("target")
+    chunk = export.prefill_chunk
+    limit = target.prefill_limit(chunk)
+    assert limit == min(LONG_PREFILL, export.manifest.max_context - 1) > chunk == target.sizes[-1]
+    ids = 5 + np.arange(limit + 40) % 90  # one full long call and a remainder at a T no binding keeps
+
+    def prefilled(rows: int):
+        target.reset()
+        calls = target.calls
+        step = target.prefill(ids, rows)
+        kv = {k: v[:, :, : len(ids)].copy() for k, v in target.cache.buffers().items()}
+        return target.calls - calls, step.logits, step.hidden, kv
+
+    short_calls, *short = prefilled(chunk)
+    long_calls, *long = prefilled(limit)
+    assert (short_calls, long_calls) == (-(-len(ids) // chunk), 2)
+    for a, b in zip(short[:2], long[:2]):
+        np.testing.assert_array_equal(a, b)
+    for name in short[2]:
+        np.testing.assert_array_equal(short[2][name], long[2][name])
+    # a generation prefills that way; all_logits (scoring a text) keeps the export's chunks
+    result = generate(export, ids.tolist(), max_new_tokens=2, ignore_eos=True)
+    assert result.stats["prefill_calls"] == 2
+    target.reset()
+    assert target.prefill(ids, limit, all_logits=True).logits.shape == (len(ids) - (len(ids) // chunk) * chunk,
+                                                                        export.manifest.models["target"].vocab_size)

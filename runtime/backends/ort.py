@@ -137,16 +137,19 @@ class InPlaceGraph:
     first `tokens` rows, so bindings at many T hold one set of output buffers.
     `logit_rows` (a decoder graph with that input: graph_contract.LOGIT_ROWS): how many of the
     last rows get logits (default: all `tokens`). `shared_inputs`: input arrays to bind instead
-    of new ones (another binding's at the same T, so one fill serves both).
+    of new ones (another binding's at the same T, so one fill serves both). `session`: the graph's
+    session when the caller holds it (another binding's), so it is not looked up again (which
+    hashes the graph file and reads its external-data locations: ~15 ms on SmolLM2's).
     """
 
     def __init__(self, path: Path, threads: int | None, kv_buffers: dict[str, np.ndarray],
                  tokens: int | None = None, output_rows: dict[str, np.ndarray] | None = None,
-                 logit_rows: int | None = None, shared_inputs: dict[str, np.ndarray] | None = None):
+                 logit_rows: int | None = None, shared_inputs: dict[str, np.ndarray] | None = None,
+                 session=None):
         import onnxruntime as ort
 
         self.path = Path(path)
-        self.session = open_session(path, "ort-cpu", threads)
+        self.session = session if session is not None else open_session(path, "ort-cpu", threads)
         self.binding = self.session.io_binding()
         self.inputs: dict[str, np.ndarray] = {}
         self.outputs: dict[str, np.ndarray] = {}

@@ -13,6 +13,14 @@ That one fused graph also runs at T no record names: a call of n rows binds it a
 size. On a CPU a row is not free: SmolLM2-135M's T=4/9/15/64 calls cost 1.1/1.4/1.7/5.7x
 a T=1 call, so a 3-token draft verified at T=4 rather than T=9, or a 43-token prompt
 prefilled at T=43 rather than T=64, saves that difference. The bindings share output buffers.
+
+A prompt is prefilled in calls of up to LONG_PREFILL rows on it, past the largest exported T
+(the export's prefill chunk, the size TensorRT's profiles and the check's references are built
+for): each call streams every weight once more, so a 540-token prompt took 576 ms in chunks of 64
+and 461 ms in chunks of 256, a 116-token one 120 and 95 ms (SmolLM2-135M float32, 2 threads). Such
+a call scores its last row only and gets a binding of its own T for that call: a prompt's
+remainder may take any T, so none is kept. Rows come out bit-identical to chunks of 64 (float32,
+int8 and int4 exports: KV and logits compared), so the chunking changes no output.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ _PADDED_ONE_ROW_CALLS: set[str] = set()  # graphs whose one-row calls this proce
 # Call sizes a decoding step uses (verify rows, a draft's catch-up), run once per session by
 # `warm_call_sizes`; larger ones are prefill chunks, outside any timed step.
 WARM_SIZES = 16
+# Rows per prefill call on a fused dynamic-T graph (module docstring): 512 was no faster on a 1,100-token
+# prompt, and a call is also how often a prefill can be cancelled.
+LONG_PREFILL = 256
 _WARMED: set[str] = set()  # graphs (sessions: shared per process) whose small call sizes have run
 
 
@@ -78,6 +89,7 @@ class OrtDecoder(Decoder):
         # fused graphs with a logit_rows input: a second binding per T that scores the last row only
         self._last_row: dict[int, InPlaceGraph] = OnFirstUse(self._open_last_row)
         self._output_rows: dict[str, np.ndarray] = {}  # fused: the bindings' shared outputs
+        self._long_bindings: dict[int, InPlaceGraph] = {}  # a long prefill chunk's (forward)
         if fused:  # a static T's inputs are its graph's bound arrays (filled in place)
             self.inputs = OnFirstUse(lambda t: StaticCall(t, self.graphs[t].inputs))
         # Every generation decodes with the smallest graph: open it now, not inside a timed step.
@@ -85,6 +97,8 @@ class OrtDecoder(Decoder):
         first = self.graphs[self.sizes[0]]
         if fused and self._one_graph(first):
             self.call_sizes = list(range(self.sizes[0], self.sizes[-1] + 1))
+            if LOGIT_ROWS in first.inputs:
+                self.long_rows = max(self.sizes[-1], min(LONG_PREFILL, manifest.max_context - 1))
         if self.spare and self.call_sizes[0] == 1 and len(self.call_sizes) > 1 and self.room >= 2 \
                 and not self._lone_rows_exact():
             # The export measured its kernels row-exact on another CPU (export/quantize.py,
@@ -133,24 +147,33 @@ class OrtDecoder(Decoder):
     def _open(self, t: int):
         if t not in self.records and t not in self.call_sizes:
             raise SpecDeployError(f"no {self.what} graph for T={t} (exported sizes: {self.sizes})")
-        record = self.records.get(t) or self.records[self.sizes[0]]
-        path = self.manifest.graph_path(record)
-        # held: the graph below reuses it; checked against the manifest first (a stale or edited one)
-        session = open_decoder_session(self.manifest, record, "ort-cpu" if self.fused else self.backend, self.threads)
+        record = self.records.get(t)
+        if record is None:  # a T of the one dynamic-T graph: its session, not looked up again
+            first = self._first_fused()
+            path, session = first.path, first.session
+        else:
+            path = self.manifest.graph_path(record)
+            # held: the graph below reuses it; checked against the manifest first (a stale or edited one)
+            session = open_decoder_session(self.manifest, record, "ort-cpu" if self.fused else self.backend,
+                                           self.threads)
         if self.fused:
             if not self._output_rows:  # sized for the largest T: every binding writes a prefix
                 self._output_rows = {name: np.zeros((1, self.sizes[-1], *shape[2:]), dtype)
                                      for name, (shape, dtype) in _output_shapes(session).items()}
-            graph = InPlaceGraph(path, self.threads, self.cache.buffers(), tokens=t, output_rows=self._output_rows)
-            assert graph.session is session
-            return graph
+            return InPlaceGraph(path, self.threads, self.cache.buffers(), tokens=t, output_rows=self._output_rows,
+                                session=session)
         return OrtGraph(path, self.backend, self.threads)
+
+    def _first_fused(self) -> InPlaceGraph:
+        graph = self.graphs[self.sizes[0]]
+        assert isinstance(graph, InPlaceGraph)  # a T no record names: the one dynamic-T fused graph's
+        return graph
 
     def _open_last_row(self, t: int) -> InPlaceGraph:
         full = self.graphs[t]
         assert isinstance(full, InPlaceGraph)
         return InPlaceGraph(full.path, self.threads, self.cache.buffers(), tokens=t, output_rows=self._output_rows,
-                            logit_rows=1, shared_inputs=full.inputs)
+                            logit_rows=1, shared_inputs=full.inputs, session=full.session)
 
     def open(self, sizes=None) -> None:
         """Open the graphs of `sizes` (default: every exported size) now rather than on first use."""
@@ -161,6 +184,23 @@ class OrtDecoder(Decoder):
     def opened(self) -> list[int]:
         """The static T whose graphs this decoder has opened."""
         return sorted(self.graphs)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                last_logits: bool = False) -> StepOutput:
+        n = len(tokens)
+        if not (last_logits and self.sizes[-1] < n <= self.long_rows):
+            return super().forward(tokens, positions, mask, last_logits)
+        # a long prefill call (module docstring): a last-row binding at T = n, kept for a whole chunk's
+        # T, made for this call alone at a remainder's (a binding costs ~1 ms)
+        self._check_room(n)
+        first = self._first_fused()
+        graph = self._long_bindings.get(n) or InPlaceGraph(
+            first.path, self.threads, self.cache.buffers(), tokens=n, output_rows=self._output_rows, logit_rows=1,
+            session=first.session)
+        if n == self.long_rows:
+            self._long_bindings[n] = graph
+        feeds = StaticCall(n, graph.inputs).fill(tokens, positions, mask, self.cache.length)
+        return self._timed(self._call, graph, feeds, n)
 
     def _run(self, t: int, feeds: dict[str, np.ndarray], n: int) -> StepOutput:
         return self._call(self.graphs[t], feeds, n)

@@ -92,7 +92,8 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, decoder: Decoder, k: int, prefill_chunk: int, vocab_ids: np.ndarray | None = None,
                  vocab_size: int = 0, stop_below: float = 0.0):
-        self.decoder, self.k, self.chunk, self.stop_below = decoder, k, prefill_chunk, stop_below
+        self.decoder, self.k, self.stop_below = decoder, k, stop_below
+        self.chunk = decoder.prefill_limit(prefill_chunk)  # its longer prefill calls where it runs them
         # vocab_ids: the draft's logits score only these target ids (a draft vocabulary); its
         # distributions are zero elsewhere, over the full `vocab_size`
         self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
