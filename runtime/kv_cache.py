@@ -49,6 +49,11 @@ class KVCache:
             feeds[past_name(layer, KEY)], feeds[past_name(layer, VALUE)] = self.past(layer)
         return feeds
 
+    def head_major(self) -> list[np.ndarray]:
+        """Every layer's key then value buffer as a [kv_heads, S, D] view, whatever the layout."""
+        bufs = (*self.keys, *self.values)
+        return [b[0] for b in bufs] if self.in_place else [b.transpose(1, 0, 2) for b in bufs]
+
     def buffers(self) -> dict[str, np.ndarray]:
         """The whole buffers by past_* name, for a fused graph to bind as past and present."""
         return {past_name(layer, kind): bufs[layer] for layer in range(len(self.keys))
@@ -94,6 +99,18 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+
+def copy_prefix(src, dst, n: int) -> None:
+    """Make `dst`'s first n rows `src`'s and its length n: caches of one geometry (layers, KV heads,
+    head size) in any layout, e.g. a self-draft's cache seeded with its target's prompt KV."""
+    srcs, dsts = src.head_major(), dst.head_major()
+    if len(srcs) != len(dsts) or any(a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]
+                                     or n > min(a.shape[1], b.shape[1]) for a, b in zip(srcs, dsts)):
+        raise SpecDeployError(f"cannot copy {n} KV rows between caches of different geometry")
+    for a, b in zip(srcs, dsts):
+        b[:, :n] = a[:, :n]
+    dst.length = n
 
 
 def keep_rows_in_place(heads: Sequence[np.ndarray], start: int, rows: Sequence[int] | slice,

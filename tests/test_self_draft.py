@@ -154,6 +154,39 @@ def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):
     assert calls[0.0] < calls[0.95], calls
 
 
+def test_the_self_draft_takes_its_targets_prompt_kv_instead_of_prefilling(self_draft, micro_export):
+    """A self-draft's cache starts as a copy of the target's prompt KV (its int4 prefill cost as much as
+    the target's): the draft model runs no call over the prompt, only its one-row drafting calls, and the
+    output is still the target's own. A draft exported from another model is not seeded."""
+    import numpy as np
+
+    from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.methods import build_drafter
+
+    export = LoadedExport(self_draft)
+    ids = export.tokenizer.encode(PROMPTS[1] * 6)
+    assert len(ids) > export.prefill_chunk  # a prompt the draft would have prefilled in several calls
+    drafter = build_drafter(export, export.method_config("draft"))
+    target, draft = export.decoder("target"), drafter.decoder
+    assert drafter.seed_from is target
+    gen = Generation(export, ids, method="draft", max_new_tokens=24, ignore_eos=True, adaptive=False,
+                     drafter=drafter)
+    steps = iter(gen)
+    next(steps)  # prefill and the first step
+    prompt = len(ids) - 1  # the target's prefill: all but the root
+    for seeded, own in zip(target.cache.head_major(), draft.cache.head_major()):
+        np.testing.assert_array_equal(own[:, :prompt], seeded[:, :prompt])
+    draft_calls = draft.calls
+    assert draft_calls <= drafter.k  # the root and its drafts, one row a call: nothing over the prompt
+    list(steps)
+    ar = Generation(export, ids, method="ar", max_new_tokens=24, ignore_eos=True).result()
+    assert gen.new_ids == ar.token_ids
+    # micro's draft is its own small model: its cache is its own prefill
+    other = LoadedExport(micro_export)
+    assert build_drafter(other, other.method_config("draft")).seed_from is None
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--draft-weights", "float"], "would cost at least as much per token as the float target"),
     (["--weights", "int8", "--draft-weights", "int8"], "would cost at least as much per token as the int8 target"),

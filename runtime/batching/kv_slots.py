@@ -47,6 +47,10 @@ class RowCache:
         self.length = 0
         self.bytes_copied = 0
 
+    def head_major(self) -> list[np.ndarray]:
+        """Every layer's key then value slot as a [kv_heads, S + 1, D] view."""
+        return [buf[self.slot] for buf in (*self.kv.keys, *self.kv.values)]
+
     def _row_bytes(self) -> int:
         k = self.kv.keys[0]
         return 2 * len(self.kv.keys) * k.shape[1] * k.shape[3] * k.itemsize

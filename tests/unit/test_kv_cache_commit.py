@@ -56,3 +56,32 @@ def test_portable_commit_appends_the_accepted_rows_and_feeds_views():
     with pytest.raises(SpecDeployError, match="context full: 9 tokens exceed max_context 8"):
         cache.commit(step(0, 5), slice(0, 5))
     assert cache.length == 4
+
+
+def test_copy_prefix_copies_committed_rows_across_layouts_and_checks_geometry():
+    """A self-draft's cache seeded with its target's prompt KV: the first n rows of every layer's key and
+    value, from a head-major (fused) cache into a row-major (portable) one or a batch slot, and back."""
+    from specdeploy.runtime.batching.kv_slots import SlotKV
+    from specdeploy.runtime.kv_cache import copy_prefix
+
+    spec = ModelRecord("m", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, hidden_size=8, vocab_size=10)
+    fused = KVCache(spec, max_context=16, in_place=True)
+    for i, buf in enumerate((*fused.keys, *fused.values)):
+        buf[...] = np.random.default_rng(i).random(buf.shape, dtype=np.float32)
+    fused.length = 9
+    portable, slot = KVCache(spec, max_context=16), SlotKV(spec, slots=3, max_context=16).row(1)
+    for dst in (portable, slot):
+        copy_prefix(fused, dst, 7)
+        assert dst.length == 7
+        for a, b in zip(fused.head_major(), dst.head_major()):
+            np.testing.assert_array_equal(b[:, :7], a[:, :7])
+            assert not b[:, 7:].any()  # nothing past the prefix
+    back = KVCache(spec, max_context=16, in_place=True)
+    copy_prefix(portable, back, 7)
+    for a, b in zip(fused.head_major(), back.head_major()):
+        np.testing.assert_array_equal(b[:, :7], a[:, :7])
+    other = ModelRecord("d", num_layers=2, num_heads=4, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=10)
+    with pytest.raises(SpecDeployError, match="different geometry"):
+        copy_prefix(fused, KVCache(other, max_context=16, in_place=True), 7)
+    with pytest.raises(SpecDeployError, match="different geometry"):
+        copy_prefix(fused, KVCache(spec, max_context=4, in_place=True), 7)
