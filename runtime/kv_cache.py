@@ -101,15 +101,15 @@ class KVCache:
         self.length = min(self.length, length)
 
 
-def copy_prefix(src, dst, n: int) -> None:
-    """Make `dst`'s first n rows `src`'s and its length n: caches of one geometry (layers, KV heads,
+def copy_prefix(src, dst, n: int, start: int = 0) -> None:
+    """Make `dst`'s rows start..n `src`'s and its length n: caches of one geometry (layers, KV heads,
     head size) in any layout, e.g. a self-draft's cache seeded with its target's prompt KV."""
     srcs, dsts = src.head_major(), dst.head_major()
     if len(srcs) != len(dsts) or any(a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]
                                      or n > min(a.shape[1], b.shape[1]) for a, b in zip(srcs, dsts)):
         raise SpecDeployError(f"cannot copy {n} KV rows between caches of different geometry")
     for a, b in zip(srcs, dsts):
-        b[:, :n] = a[:, :n]
+        b[:, start:n] = a[:, start:n]
     dst.length = n
 
 

@@ -154,10 +154,10 @@ def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):
     assert calls[0.0] < calls[0.95], calls
 
 
-def test_the_self_draft_takes_its_targets_prompt_kv_instead_of_prefilling(self_draft, micro_export):
-    """A self-draft's cache starts as a copy of the target's prompt KV (its int4 prefill cost as much as
-    the target's): the draft model runs no call over the prompt, only its one-row drafting calls, and the
-    output is still the target's own. A draft exported from another model is not seeded."""
+def test_the_self_draft_drafts_on_its_targets_kv_of_the_committed_tokens(self_draft, micro_export):
+    """A self-draft's cache holds the target's KV of every committed token: the prompt's (its int4 prefill
+    cost as much as the target's), so the draft model runs no call over the prompt, and each step's
+    accepted tokens'. The output is still the target's own. A draft from another model is not seeded."""
     import numpy as np
 
     from specdeploy.runtime.generate import Generation
@@ -180,6 +180,10 @@ def test_the_self_draft_takes_its_targets_prompt_kv_instead_of_prefilling(self_d
     draft_calls = draft.calls
     assert draft_calls <= drafter.k  # the root and its drafts, one row a call: nothing over the prompt
     list(steps)
+    # after every step the accepted tokens' rows are the target's too: the whole committed sequence
+    assert draft.cache.length == target.cache.length > prompt
+    for seeded, own in zip(target.cache.head_major(), draft.cache.head_major()):
+        np.testing.assert_array_equal(own[:, : target.cache.length], seeded[:, : target.cache.length])
     ar = Generation(export, ids, method="ar", max_new_tokens=24, ignore_eos=True).result()
     assert gen.new_ids == ar.token_ids
     # micro's draft is its own small model: its cache is its own prefill
