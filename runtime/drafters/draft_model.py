@@ -1,7 +1,10 @@
 """A separate model drafts up to k tokens autoregressively (its own graphs and KV cache).
 
 The draft is a small model or the target itself with quantized weights (`export --draft self`:
-an int4 copy agrees with its float32 target on 80-90% of greedy tokens on SmolLM2-135M).
+an int4 copy agrees with its float32 target on 80-90% of greedy tokens on SmolLM2-135M). A
+self-draft's cache holds the target's KV of every committed token (copied from the target's
+cache, the prompt's at the start, each step's accepted tokens' after it): it never prefills the
+prompt nor catches up on plain steps' tokens, and it drafts on the target's own rows.
 It stops drafting once the chance that every draft so far is accepted, estimated by the
 draft's own probabilities (their product), falls below `stop_below`: a draft whose
 predecessors are probably wrong costs a draft call and a verify row for nothing. On
