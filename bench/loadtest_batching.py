@@ -43,6 +43,16 @@ LONG = ("Summarize the following notes. The meeting covered the budget, the hiri
         "schedule. The budget for the next quarter stays flat, the hiring plan adds two engineers, and the "
         "release moves by one week because the test suite found a regression in the parser. ") * 3
 SPEC_METHODS = ["prompt-lookup", "suffix", "eagle", "medusa"]
+
+
+def default_methods(export: Path) -> list[str]:
+    """The speculative methods the clients cycle through: the host drafters and heads, and the draft model
+    where the export has one (make export's self-draft: the default model's best method on chat)."""
+    try:
+        models = json.loads((export / "manifest.json").read_text()).get("models", {})
+    except (OSError, ValueError):
+        models = {}  # the server reports a bad export itself
+    return SPEC_METHODS + (["draft"] if "draft" in models else [])
 SETS = ("chat", "grounded", "code")
 
 
@@ -216,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=["pool", "batch", "batch-plain"])
     ap.add_argument("--rounds", type=int, default=1, help="sweeps over client counts and configurations")
-    ap.add_argument("--methods", nargs="+", default=SPEC_METHODS,
-                    help="methods the pool and the adaptive batch cycle through (batch-plain: ar)")
+    ap.add_argument("--methods", nargs="+", help="methods the pool and the adaptive batch cycle through "
+                    "(batch-plain: ar); default: prompt-lookup, suffix, eagle, medusa, and draft where the "
+                    "export has one")
     ap.add_argument("--mixes", nargs="+", default=["mixed"], choices=["toy", "mixed", *SETS])
     ap.add_argument("--greedy", action="store_true", help="every request greedy (default: every other seeded)")
     ap.add_argument("--baseline", type=Path, help="a directory holding another `specdeploy` package: every "
@@ -225,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-export", type=Path, help="the export the baseline configurations serve "
                     "(default: the same one)")
     args = ap.parse_args(argv)
+    args.methods = args.methods or default_methods(args.export)
     if args.baseline is not None and not (args.baseline / "specdeploy" / "cli.py").is_file():
         ap.error(f"--baseline {args.baseline}: no specdeploy/cli.py there")
     if args.baseline_export is not None and args.baseline is None:
