@@ -236,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-export", type=Path, help="the export the baseline configurations serve "
                     "(default: the same one)")
     args = ap.parse_args(argv)
-    args.methods = args.methods or default_methods(args.export)
+    if args.methods is None:  # methods every served export has (a baseline export without a draft model)
+        served = [args.export] + ([args.baseline_export] if args.baseline_export else [])
+        args.methods = [m for m in default_methods(args.export) if all(m in default_methods(e) for e in served)]
     if args.baseline is not None and not (args.baseline / "specdeploy" / "cli.py").is_file():
         ap.error(f"--baseline {args.baseline}: no specdeploy/cli.py there")
     if args.baseline_export is not None and args.baseline is None:

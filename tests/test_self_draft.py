@@ -166,10 +166,13 @@ def test_the_self_draft_drafts_on_its_targets_kv_of_the_committed_tokens(self_dr
 
     export = LoadedExport(self_draft)
     ids = export.tokenizer.encode(PROMPTS[1] * 6)
-    assert len(ids) > export.prefill_chunk  # a prompt the draft would have prefilled in several calls
+    assert len(ids) > export.prefill_chunk
     drafter = build_drafter(export, export.method_config("draft"))
     target, draft = export.decoder("target"), drafter.decoder
     assert drafter.seed_from is target
+    rows: list[int] = []  # rows of each draft-model call (the real calls, recorded)
+    forward = draft.forward
+    draft.forward = lambda tokens, *args, **kw: (rows.append(len(tokens)), forward(tokens, *args, **kw))[1]
     gen = Generation(export, ids, method="draft", max_new_tokens=24, ignore_eos=True, adaptive=False,
                      drafter=drafter)
     steps = iter(gen)
@@ -177,9 +180,9 @@ def test_the_self_draft_drafts_on_its_targets_kv_of_the_committed_tokens(self_dr
     prompt = len(ids) - 1  # the target's prefill: all but the root
     for seeded, own in zip(target.cache.head_major(), draft.cache.head_major()):
         np.testing.assert_array_equal(own[:, :prompt], seeded[:, :prompt])
-    draft_calls = draft.calls
-    assert draft_calls <= drafter.k  # the root and its drafts, one row a call: nothing over the prompt
+    assert rows and max(rows) == 1  # the root and its drafts, one row a call: nothing over the prompt
     list(steps)
+    assert max(rows) <= 2  # never a catch-up past the root and the last draft
     # after every step the accepted tokens' rows are the target's too: the whole committed sequence
     assert draft.cache.length == target.cache.length > prompt
     for seeded, own in zip(target.cache.head_major(), draft.cache.head_major()):
@@ -204,3 +207,22 @@ def test_a_self_draft_no_cheaper_than_its_target_is_refused(micro_family, tmp_pa
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert not (tmp_path / "never").exists()
+
+
+def test_batched_rows_self_draft_on_their_own_slots_kv(self_draft):
+    """On a batched service each row's self-draft copies its target rows from its own slot of the
+    batch's KV: concurrent draft requests give the batch-1 `ar` tokens and still draft (a wrong slot's
+    rows would leave the output lossless but take few drafts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdeploy.runtime.service import Service
+
+    alone = Service.load(self_draft, pool_size=1)
+    batched = Service.load(self_draft, batch=3, queue_size=8)
+    jobs = [dict(prompt=text, max_new_tokens=32, ignore_eos=True) for text in PROMPTS[:3]]
+    want = [alone.generate(**job, method="ar").token_ids for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: batched.generate(**job, method="draft"), jobs))
+    assert [r.token_ids for r in got] == want
+    ar_calls = [alone.generate(**job, method="draft").stats["target_calls"] for job in jobs]
+    assert [r.stats["target_calls"] for r in got] == ar_calls  # drafts as many tokens per call as alone

@@ -80,6 +80,14 @@ def test_copy_prefix_copies_committed_rows_across_layouts_and_checks_geometry():
     copy_prefix(portable, back, 7)
     for a, b in zip(fused.head_major(), back.head_major()):
         np.testing.assert_array_equal(b[:, :7], a[:, :7])
+    # a step's rows (update): only start..n move, the rows before stay the destination's own
+    for buf in (*back.keys, *back.values):
+        buf[0, :, :7] = -1.0
+    copy_prefix(fused, back, 9, start=7)
+    assert back.length == 9
+    for a, b in zip(fused.head_major(), back.head_major()):
+        np.testing.assert_array_equal(b[:, 7:9], a[:, 7:9])
+        assert (b[:, :7] == -1.0).all()
     other = ModelRecord("d", num_layers=2, num_heads=4, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=10)
     with pytest.raises(SpecDeployError, match="different geometry"):
         copy_prefix(fused, KVCache(other, max_context=16, in_place=True), 7)
