@@ -43,6 +43,7 @@ LONG = ("Summarize the following notes. The meeting covered the budget, the hiri
         "schedule. The budget for the next quarter stays flat, the hiring plan adds two engineers, and the "
         "release moves by one week because the test suite found a regression in the parser. ") * 3
 SPEC_METHODS = ["prompt-lookup", "suffix", "eagle", "medusa"]
+SETS = ("chat", "grounded", "code")
 
 
 def default_methods(export: Path) -> list[str]:
@@ -53,7 +54,6 @@ def default_methods(export: Path) -> list[str]:
     except (OSError, ValueError):
         models = {}  # the server reports a bad export itself
     return SPEC_METHODS + (["draft"] if "draft" in models else [])
-SETS = ("chat", "grounded", "code")
 
 
 def mix_prompts(mix: str) -> list[dict]:

@@ -101,16 +101,26 @@ class KVCache:
         self.length = min(self.length, length)
 
 
-def copy_prefix(src, dst, n: int, start: int = 0) -> None:
-    """Make `dst`'s rows start..n `src`'s and its length n: caches of one geometry (layers, KV heads,
-    head size) in any layout, e.g. a self-draft's cache seeded with its target's prompt KV."""
-    srcs, dsts = src.head_major(), dst.head_major()
-    if len(srcs) != len(dsts) or any(a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]
-                                     or n > min(a.shape[1], b.shape[1]) for a, b in zip(srcs, dsts)):
-        raise SpecDeployError(f"cannot copy {n} KV rows between caches of different geometry")
-    for a, b in zip(srcs, dsts):
-        b[:, start:n] = a[:, start:n]
-    dst.length = n
+class RowCopy:
+    """Copies committed rows from cache `src` to cache `dst`, two caches of one geometry (layers, KV
+    heads, head size) in any layout: a self-draft's cache seeded with its target's KV. The views and
+    the geometry are taken once: a copy per decode step is one slice assignment per buffer."""
+
+    def __init__(self, src, dst):
+        self.src, self.dst = src, dst
+        self.pairs = list(zip(src.head_major(), dst.head_major()))
+        if len(self.pairs) != len(src.head_major()) or len(self.pairs) != len(dst.head_major()) or any(
+                a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2] for a, b in self.pairs):
+            raise SpecDeployError("cannot copy KV rows between caches of different geometry")
+        self.rows = min(min(a.shape[1], b.shape[1]) for a, b in self.pairs)
+
+    def __call__(self, n: int, start: int = 0) -> None:
+        """Make `dst`'s rows start..n `src`'s and its length n."""
+        if n > self.rows:
+            raise SpecDeployError(f"cannot copy {n} KV rows into caches of {self.rows}")
+        for a, b in self.pairs:
+            b[:, start:n] = a[:, start:n]
+        self.dst.length = n
 
 
 def keep_rows_in_place(heads: Sequence[np.ndarray], start: int, rows: Sequence[int] | slice,

@@ -58,11 +58,11 @@ def test_portable_commit_appends_the_accepted_rows_and_feeds_views():
     assert cache.length == 4
 
 
-def test_copy_prefix_copies_committed_rows_across_layouts_and_checks_geometry():
+def test_row_copy_copies_committed_rows_across_layouts_and_checks_geometry():
     """A self-draft's cache seeded with its target's prompt KV: the first n rows of every layer's key and
     value, from a head-major (fused) cache into a row-major (portable) one or a batch slot, and back."""
     from specdeploy.runtime.batching.kv_slots import SlotKV
-    from specdeploy.runtime.kv_cache import copy_prefix
+    from specdeploy.runtime.kv_cache import RowCopy
 
     spec = ModelRecord("m", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, hidden_size=8, vocab_size=10)
     fused = KVCache(spec, max_context=16, in_place=True)
@@ -71,25 +71,25 @@ def test_copy_prefix_copies_committed_rows_across_layouts_and_checks_geometry():
     fused.length = 9
     portable, slot = KVCache(spec, max_context=16), SlotKV(spec, slots=3, max_context=16).row(1)
     for dst in (portable, slot):
-        copy_prefix(fused, dst, 7)
+        RowCopy(fused, dst)(7)
         assert dst.length == 7
         for a, b in zip(fused.head_major(), dst.head_major()):
             np.testing.assert_array_equal(b[:, :7], a[:, :7])
             assert not b[:, 7:].any()  # nothing past the prefix
     back = KVCache(spec, max_context=16, in_place=True)
-    copy_prefix(portable, back, 7)
+    RowCopy(portable, back)(7)
     for a, b in zip(fused.head_major(), back.head_major()):
         np.testing.assert_array_equal(b[:, :7], a[:, :7])
     # a step's rows (update): only start..n move, the rows before stay the destination's own
     for buf in (*back.keys, *back.values):
         buf[0, :, :7] = -1.0
-    copy_prefix(fused, back, 9, start=7)
+    RowCopy(fused, back)(9, start=7)
     assert back.length == 9
     for a, b in zip(fused.head_major(), back.head_major()):
         np.testing.assert_array_equal(b[:, 7:9], a[:, 7:9])
         assert (b[:, :7] == -1.0).all()
     other = ModelRecord("d", num_layers=2, num_heads=4, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=10)
     with pytest.raises(SpecDeployError, match="different geometry"):
-        copy_prefix(fused, KVCache(other, max_context=16, in_place=True), 7)
-    with pytest.raises(SpecDeployError, match="different geometry"):
-        copy_prefix(fused, KVCache(spec, max_context=4, in_place=True), 7)
+        RowCopy(fused, KVCache(other, max_context=16, in_place=True))
+    with pytest.raises(SpecDeployError, match="cannot copy 7 KV rows into caches of 4"):
+        RowCopy(fused, KVCache(spec, max_context=4, in_place=True))(7)
