@@ -154,6 +154,54 @@ def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):
     assert calls[0.0] < calls[0.95], calls
 
 
+@pytest.mark.parametrize("which", ["self", "own"])
+def test_greedy_runner_up_leaves_are_verified_and_taken(self_draft, micro_export, which):
+    """draft.runner_up: a greedy step also verifies the draft's runner-up where it hesitates, as a leaf
+    beside the chain; leaves get taken, and the output is still `ar`'s, for the self-draft (its cache
+    refilled from the target's) and for a draft with its own cache (its rows after a taken leaf dropped)."""
+    import numpy as np
+
+    from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.methods import build_drafter
+
+    export = LoadedExport(self_draft if which == "self" else micro_export)
+    counts = {}
+    for runner_up in (0.0, 0.001):  # 0.001: leaves beside every draft the budget leaves room for
+        trees = taken = 0
+        for text in PROMPTS:
+            ids = export.tokenizer.encode(text)
+            # a low stop: longer chains, so leaves beside drafts the chain went past get taken too
+            drafter = build_drafter(export, export.method_config("draft", {"runner_up": runner_up, "stop_below": 0.05}))
+            update = drafter.update
+
+            def recorded(state, proposal, verdict, out, update=update):
+                nonlocal trees, taken
+                parents = proposal.tree.parents
+                chain = next((j for j in range(1, len(parents)) if parents[j] != j - 1), len(parents))
+                trees += chain < len(parents)
+                taken += max(verdict.path) >= chain  # the accepted path ends in a leaf
+                update(state, proposal, verdict, out)
+
+            drafter.update = recorded
+            gen = Generation(export, ids, method="draft", max_new_tokens=40, ignore_eos=True, adaptive=False,
+                             drafter=drafter)
+            got = gen.result()
+            ar = Generation(export, ids, method="ar", max_new_tokens=40, ignore_eos=True).result()
+            assert got.token_ids == ar.token_ids, (which, runner_up, text)
+            if which == "own":  # its cache holds the committed tokens' rows, not a passed-over draft's
+                draft = drafter.decoder
+                n = draft.cache.length
+                kept = [np.array(rows[:, :n]) for rows in draft.cache.head_major()]
+                draft.reset()
+                draft.prefill(gen.state.tokens[:n], export.prefill_chunk)
+                for old, fresh in zip(kept, draft.cache.head_major()):
+                    np.testing.assert_allclose(old, fresh[:, :n], atol=1e-4)
+        counts[runner_up] = (trees, taken)
+    assert counts[0.0] == (0, 0)  # a chain only
+    assert counts[0.001][1] > 0, counts  # leaves were verified and some were the target's tokens
+
+
 def test_the_self_draft_drafts_on_its_targets_kv_of_the_committed_tokens(self_draft, micro_export):
     """A self-draft's cache holds the target's KV of every committed token: the prompt's (its int4 prefill
     cost as much as the target's), so the draft model runs no call over the prompt, and each step's

@@ -13,6 +13,13 @@ simulated from teacher-forced agreement and measured call costs) a stop at 0.3-0
 every fixed k: 1.35x / 1.51x the plain step rate on chat / code against 1.24x / 1.38x for
 the best fixed k. The stop depends only on the draft's own outputs, so the output stays
 lossless: greedy equals `ar`, and rejection sampling still follows the target.
+
+Greedy, a drafted position where the draft hesitates also verifies its runner-up, as a leaf
+beside the draft (a tree, no extra draft call): where the target's token is the draft's
+second choice, the step takes it instead of stopping there. A leaf goes in, likeliest first
+within the k nodes, while the chance that the target's path reaches its position (the
+product of the drafts' probabilities before it) times the runner-up's probability is at
+least `runner_up`. Sampling keeps the chain: its drafts are draws, verified by rejection.
 """
 
 from __future__ import annotations
@@ -44,12 +51,16 @@ class DraftConfig:
     # drafting stops once the product of the drafts' probabilities under the draft model is below this
     # (module docstring; 0: always k drafts)
     stop_below: float = 0.4
+    # greedy: a drafted position's runner-up is verified as a leaf beside it where its chance of being the
+    # target's token there is at least this (module docstring; 0: a chain only)
+    runner_up: float = 0.1
 
     def __post_init__(self):
         positive_int(self.k, "draft.k")
-        if isinstance(self.stop_below, bool) or not isinstance(self.stop_below, (int, float)) \
-                or not 0 <= self.stop_below < 1:
-            raise SpecDeployError(f"config: draft.stop_below must be a number in [0, 1), got {self.stop_below!r}")
+        for key in ("stop_below", "runner_up"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise SpecDeployError(f"config: draft.{key} must be a number in [0, 1), got {value!r}")
         if self.draft_vocab != 0:
             positive_int(self.draft_vocab, "draft.draft_vocab (0: the full vocabulary)")
 
@@ -66,7 +77,7 @@ def build(export, config: DraftConfig) -> DraftModelDrafter:
     seed = target if drafts_for_itself(export.manifest) and all(
         callable(getattr(d.cache, "head_major", None)) for d in (target, draft)) else None
     return DraftModelDrafter(draft, config.k, export.prefill_chunk, ids,
-                             export.manifest.models["draft"].vocab_size, config.stop_below, seed)
+                             export.manifest.models["draft"].vocab_size, config.stop_below, seed, config.runner_up)
 
 
 def drafts_for_itself(manifest) -> bool:
@@ -106,8 +117,9 @@ class DraftModelDrafter(Drafter):
     cost_per_draft = True
 
     def __init__(self, decoder: Decoder, k: int, prefill_chunk: int, vocab_ids: np.ndarray | None = None,
-                 vocab_size: int = 0, stop_below: float = 0.0, seed_from: Decoder | None = None):
-        self.decoder, self.k, self.stop_below = decoder, k, stop_below
+                 vocab_size: int = 0, stop_below: float = 0.0, seed_from: Decoder | None = None,
+                 runner_up: float = 0.0):
+        self.decoder, self.k, self.stop_below, self.runner_up = decoder, k, stop_below, runner_up
         self.chunk = decoder.prefill_limit(prefill_chunk)  # its longer prefill calls where it runs them
         # vocab_ids: the draft's logits score only these target ids (a draft vocabulary); its
         # distributions are zero elsewhere, over the full `vocab_size`
@@ -121,6 +133,9 @@ class DraftModelDrafter(Drafter):
         self.seed_from = seed_from
         self._copy = None if seed_from is None else RowCopy(seed_from.cache, decoder.cache)
         self._seeded = 0  # rows of the draft's cache that are the target's
+        # this step's drafts fed to the draft's cache (all but the last), from sequence index _first
+        self._fed: list[int] | None = None
+        self._first = 0
 
     def start(self, state: DecodeState) -> None:
         self.decoder.reset()
@@ -137,8 +152,15 @@ class DraftModelDrafter(Drafter):
         ids = self.vocab_ids
         if state.params.greedy:
             best = int(np.argmax(logits))
-            chance = 1.0 / float(np.exp(logits - logits[best]).sum()) if self.stop_below else 1.0
-            return (best if ids is None else int(ids[best])), chance
+            if not (self.stop_below or self.runner_up):
+                return (best if ids is None else int(ids[best])), 1.0
+            scaled = np.exp(logits - logits[best])
+            total = float(scaled.sum())
+            if self.runner_up:
+                scaled[best] = -1.0
+                second = int(np.argmax(scaled))
+                self._second = (second if ids is None else int(ids[second])), float(scaled[second]) / total
+            return (best if ids is None else int(ids[best])), 1.0 / total
         q = state.params.probs(logits)
         if state.noise is not None:
             if ids is None:
@@ -169,8 +191,14 @@ class DraftModelDrafter(Drafter):
         start = time.perf_counter()
         probs: list = [None]  # rejection sampling: the q each draft was drawn from
         first = len(state.tokens)  # drafts[i] is the token for sequence index first + i
+        leaves = self.runner_up > 0 and state.params.greedy
+        # greedy: (worth, index i, token): the runner-up beside drafts[i], worth the chance it is the target's
+        candidates: list[tuple[float, int, int]] = []
+        self._second = (0, 0.0)
         token, chance = self._pick(out.logits[-1], state, first, probs)
         drafts = [token]
+        if leaves:
+            candidates.append((self._second[1], 0, self._second[0]))
         for i in range(1, k):
             if chance < self.stop_below:
                 break
@@ -179,9 +207,18 @@ class DraftModelDrafter(Drafter):
             self.decoder.commit(out, slice(0, 1))
             token, p = self._pick(out.logits[-1], state, first + i, probs)
             drafts.append(token)
+            if leaves:
+                candidates.append((chance * self._second[1], i, self._second[0]))
             chance *= p
+        self.draft_calls = (time.perf_counter() - start, len(drafts) - 1)
+        self._first, self._fed = first, drafts[:-1]
+        # the leaves worth a row, likeliest first, within the k nodes; each beside its draft (parent: the node before)
+        picked = sorted(c for c in candidates if c[0] >= self.runner_up)[::-1][: k - len(drafts)] if leaves else []
+        if picked:
+            parents = (-1, *range(len(drafts)), *(i for _, i, _ in picked))
+            tokens = np.array([state.tokens[-1], *drafts, *(t for _, _, t in picked)], dtype=np.int64)
+            return Proposal(Tree(parents), tokens)
         k = len(drafts)
-        self.draft_calls = (time.perf_counter() - start, k - 1)
         tokens = np.array([state.tokens[-1], *drafts], dtype=np.int64)
         draft_probs = None
         if len(probs) > 1:  # rejection sampling: q over the full vocabulary (zero outside a draft vocabulary)
@@ -194,8 +231,15 @@ class DraftModelDrafter(Drafter):
         return Proposal(Tree.chain(k), tokens, draft_probs)
 
     def update(self, state, proposal, verdict, target_out) -> None:
-        # Everything but the new root is committed; rejected drafts are simply forgotten.
-        self.decoder.cache.truncate(len(state.tokens) - 1)
+        # Everything but the new root is committed; rejected drafts are simply forgotten, and so is every
+        # row after the first fed draft the committed tokens left (a runner-up leaf taken in its place).
+        keep = len(state.tokens) - 1
+        if self._fed is not None:  # not after a plain step (adaptive) or a root-only one
+            new = state.tokens[self._first:]
+            same = next((i for i, (a, b) in enumerate(zip(new, self._fed)) if a != b), min(len(new), len(self._fed)))
+            keep = min(keep, self._first + same)
+        self.decoder.cache.truncate(keep)
+        self._fed = None
         if self._copy is not None:  # the accepted tokens' rows: the target's, as the prompt's (start)
             n = min(self._copy.src.length, len(state.tokens) - 1)
             self._copy(n, min(self._seeded, self.decoder.cache.length))
