@@ -114,6 +114,7 @@ def test_quantized_exports_read_each_payload_where_it_is_stored(micro_with_heads
     from specdeploy.runtime.generate import generate
     from specdeploy.runtime.loaded_export import LoadedExport
     from specdeploy.runtime.manifest import load_manifest
+    from specdeploy.runtime.methods import build_drafter
 
     family, out = micro_with_heads, tmp_path / "export"
     code = main(["export", "--target", str(family / "target"), "--draft", "self", "--out", str(out),
@@ -124,6 +125,9 @@ def test_quantized_exports_read_each_payload_where_it_is_stored(micro_with_heads
                                                     else {"draft", "eagle"})
     _assert_each_payload_stored_once(manifest)
     export = LoadedExport(out)
+    # verified along a tree's leading chain only, an int8 target's draft proposes no runner-up leaves
+    drafter = build_drafter(export, export.method_config("draft"))
+    assert drafter.runner_up == (0.0 if "--weights" in extra else 0.1)
     for text in PROMPTS[:2]:
         ids = export.tokenizer.encode(text)
         ar = generate(export, ids, method="ar", max_new_tokens=24, ignore_eos=True).token_ids

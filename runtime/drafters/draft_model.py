@@ -19,7 +19,8 @@ beside the draft (a tree, no extra draft call): where the target's token is the 
 second choice, the step takes it instead of stopping there. A leaf goes in, likeliest first
 within the k nodes, while the chance that the target's path reaches its position (the
 product of the drafts' probabilities before it) times the runner-up's probability is at
-least `runner_up`. Sampling keeps the chain: its drafts are draws, verified by rejection.
+least `runner_up`. Sampling keeps the chain: its drafts are draws, verified by rejection; so
+does the draft of a quantized target, which is verified along a tree's leading chain only.
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ def build(export, config: DraftConfig) -> DraftModelDrafter:
     target, draft = export.decoder("target"), export.decoder("draft")
     seed = target if drafts_for_itself(export.manifest) and all(
         callable(getattr(d.cache, "head_major", None)) for d in (target, draft)) else None
+    # A quantized target is verified along a tree's leading chain only (generate.exact_rows_only): a leaf
+    # there is no more than the bonus token it would be anyway, so its row would buy nothing.
+    runner_up = 0.0 if export.manifest.weight_scheme("target") is not None else config.runner_up
     return DraftModelDrafter(draft, config.k, export.prefill_chunk, ids,
-                             export.manifest.models["draft"].vocab_size, config.stop_below, seed, config.runner_up)
+                             export.manifest.models["draft"].vocab_size, config.stop_below, seed, runner_up)
 
 
 def drafts_for_itself(manifest) -> bool:
@@ -136,6 +140,7 @@ class DraftModelDrafter(Drafter):
         # this step's drafts fed to the draft's cache (all but the last), from sequence index _first
         self._fed: list[int] | None = None
         self._first = 0
+        self._second = (0, 0.0)  # greedy, runner_up: the last pick's runner-up (target id, probability)
 
     def start(self, state: DecodeState) -> None:
         self.decoder.reset()
