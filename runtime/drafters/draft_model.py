@@ -144,6 +144,7 @@ class DraftModelDrafter(Drafter):
 
     def start(self, state: DecodeState) -> None:
         self.decoder.reset()
+        self._fed = None  # no step of an earlier request is still to be observed
         if self._copy is not None:  # the target has prefilled the prompt but its last token (the root)
             prompt = min(self._copy.src.length, len(state.tokens) - 1)
             self._copy(prompt)
