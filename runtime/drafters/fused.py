@@ -78,6 +78,10 @@ class FusedConfig:
     # a verify row's cost in decode steps: a node goes in while the chance the target's path runs through
     # it is at least this (0: fill the budget, rows are free, e.g. a GPU)
     row_cost: float = ROW_COST
+    # what a call of more than one row costs over a plain step besides its rows, in decode steps: paid by
+    # the model part alone in a step the host part proposes nothing for (SmolLM2 float32, 2 cores, past
+    # 300: T=1/2/3/9/15 calls 15.8/19.2/20.2/25.4/31.5 ms, so 0.2 and then ~0.04 a row; 0: rows only)
+    call_cost: float = 0.2
     decay: float = 0.7  # weight of the past in each part's running acceptance (per step it proposes)
     # the model part (EAGLE, Medusa, lookahead) is not asked to draft in a step where the host part (suffix,
     # prompt lookup) proposes and drafting with the model is not worth its time: its head calls (window rows)
@@ -88,11 +92,12 @@ class FusedConfig:
         positive_int(self.nodes, f"{self.method}.nodes", 2)
         if not isinstance(self.lazy, bool):
             raise SpecDeployError(f"config: {self.method}.lazy must be true or false, got {self.lazy!r}")
-        for key, low, high in (("prior", 0.0, math.inf), ("decay", 0.0, 1.0), ("row_cost", 0.0, 1.0)):
+        for key, low, high in (("prior", 0.0, math.inf), ("decay", 0.0, 1.0), ("row_cost", 0.0, 1.0),
+                               ("call_cost", 0.0, math.inf)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high \
                     or (key == "prior" and value <= 0):
-                bound = "a number > 0" if key == "prior" else "a number in [0, 1)"
+                bound = {"prior": "a number > 0", "call_cost": "a number >= 0"}.get(key, "a number in [0, 1)")
                 raise SpecDeployError(f"config: {self.method}.{key} must be {bound}, got {value!r}")
 
     @property
@@ -263,16 +268,18 @@ class FusedDrafter(Drafter):
         cost) against (1 + host) / (1 + host rows' cost), in plain decode steps, where added and the
         model's rows are measured in steps it drafted (what it adds past the host's placed nodes, not
         what it accepts: a head agreeing with the copy adds nothing), and its cost is those rows at
-        row_cost plus its drafting time over a plain step's (the steps timed, by the same rows cost)."""
+        row_cost plus its drafting time over a plain step's (the steps timed, by the same rows cost), and
+        alone, the call_cost of verifying more than the root at all (beside a host proposal it is paid)."""
         host = self.acceptance[1] if hosted else 0.0
         added, c = self.expected_added(hosted), self.config.row_cost
-        if added < c:
-            return False  # not even worth one verify row
+        fixed = 0.0 if hosted else self.config.call_cost
+        if added < c + fixed:
+            return False  # not even worth one verify row (and, alone, the call's wider shape)
         if self.model_s is None or self.step_s is None:
             return True  # not measured yet: draft, and measure
         plain_s = self.step_s / (1 + c * (self.step_rows - 1))
         host_cost = c * self.host_rows if hosted else 0.0
-        model_cost = c * self.model_rows[hosted] + self.model_s / plain_s
+        model_cost = c * self.model_rows[hosted] + self.model_s / plain_s + fixed
         return added * (1 + host_cost) > (1 + host) * model_cost
 
     def host_misses(self, hosted: bool) -> float:

@@ -5,6 +5,8 @@ best first. On exports: tests/test_fused_drafting.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -207,11 +209,15 @@ def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_
     assert lazy.model_worth_it()  # 1 added to the copy's 1: 3 per 1.4 steps beat 2 per 1
     lazy.added = [0.7, 0.7]
     assert not lazy.model_worth_it()  # 2.7 per 1.4 do not
-    assert lazy.model_worth_it(hosted=False)  # alone, 1.7 per 1.4 beat a plain step's 1 per 1
+    assert lazy.model_worth_it(hosted=False)  # alone, 1.7 per 1.6 (call_cost 0.2) beat a plain step's 1 per 1
+    lazy.config = dataclasses.replace(lazy.config, call_cost=0.35)
+    assert not lazy.model_worth_it(hosted=False)  # 1.7 per 1.75 do not: a call wider than the root costs
+    assert not lazy.model_worth_it()  # beside a copy the wider call is paid: as before
 
 
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
-                                 {"decay": 1.0}, {"decay": -0.1}, {"row_cost": 1.0}, {"row_cost": -0.1}])
+                                 {"decay": 1.0}, {"decay": -0.1}, {"row_cost": 1.0}, {"row_cost": -0.1},
+                                 {"call_cost": -0.1}])
 def test_bad_configs_get_one_clear_error(bad):
     with pytest.raises(SpecDeployError, match=r"config: eagle\+suffix\."):
         method_spec("eagle+suffix").parse(bad)
