@@ -77,9 +77,11 @@ def build(export, config: DraftConfig) -> DraftModelDrafter:
     target, draft = export.decoder("target"), export.decoder("draft")
     seed = target if drafts_for_itself(export.manifest) and all(
         callable(getattr(d.cache, "head_major", None)) for d in (target, draft)) else None
-    # A quantized target is verified along a tree's leading chain only (generate.exact_rows_only): a leaf
-    # there is no more than the bonus token it would be anyway, so its row would buy nothing.
-    runner_up = 0.0 if export.manifest.weight_scheme("target") is not None else config.runner_up
+    from ..generate import exact_rows_only  # the generator imports the drafters
+
+    # A quantized target is verified along a tree's leading chain only: a leaf there is no more than the
+    # bonus token it would be anyway, so its row would buy nothing.
+    runner_up = 0.0 if exact_rows_only(export) else config.runner_up
     return DraftModelDrafter(draft, config.k, export.prefill_chunk, ids,
                              export.manifest.models["draft"].vocab_size, config.stop_below, seed, runner_up)
 
