@@ -8,11 +8,14 @@ trie under the root of at most `nodes` candidates (below).
 The parts are a model part (EAGLE, Medusa: head calls every step it drafts; lookahead: its
 Jacobi window's rows in the verify call) and a host part (suffix, prompt lookup: next to
 free). The host part proposes first; with `lazy`, the model part sits the step out unless the
-tokens per step time expected with its drafts beat those without, by what it measurably added
+tokens per second expected with its drafts beat those without, by what it measurably added
 in the steps it drafted: the accepted drafts past the host's placed nodes (a head or trie that
-agrees with the copy adds nothing), against its cost, the verify rows it added at `row_cost` of
-a step each (its nodes, lookahead's window) plus its drafting time over a plain step's (running
-averages in this request). Beside a host proposal and alone (the host has nothing) are measured
+agrees with the copy adds nothing), against its cost: its drafting time, and the step's time at
+the verify size its rows (its nodes, lookahead's window) add to the host's, over the step's time
+without them. A step's time by verify size is measured (`StepCosts`: the fused steps run on this
+export, per size), not priced per row: a call's cost is far from linear in its rows (SmolLM2 on
+2 cores: T=1/2/3/9/15 15.8/19.2/20.2/25.4/31.5 ms), so two rows beside a one-row copy cost more
+than two beside a six-row one. Beside a host proposal and alone (the host has nothing) are measured
 apart: a part that does not pay alone (EAGLE or Medusa on chat) is no more drafted for want of a
 copy. A step it sits out tells nothing new of it; what it is expected to add scales with the
 host's miss rate now against where it was measured, so a host whose copies stop being taken
@@ -42,6 +45,7 @@ keys only.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -49,6 +53,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..adaptive import STALL, Average
 from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
 from .base import DecodeState, Drafter, Proposal
@@ -76,11 +81,12 @@ class FusedConfig:
     nodes: int = 14
     prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
     # a verify row's cost in decode steps: a node goes in while the chance the target's path runs through
-    # it is at least this (0: fill the budget, rows are free, e.g. a GPU)
+    # it is at least this (0: fill the budget, rows are free, e.g. a GPU); with call_cost, the shape of a
+    # step's time by verify size until the sizes are measured (StepCosts)
     row_cost: float = ROW_COST
-    # what a call of more than one row costs over a plain step besides its rows, in decode steps: paid by
-    # the model part alone in a step the host part proposes nothing for (SmolLM2 float32, 2 cores, past
-    # 300: T=1/2/3/9/15 calls 15.8/19.2/20.2/25.4/31.5 ms, so 0.2 and then ~0.04 a row; 0: rows only)
+    # what a call of more than one row costs over a plain step besides its rows, in decode steps (SmolLM2
+    # float32, 2 cores, past 300: T=1/2/3/9/15 calls 15.8/19.2/20.2/25.4/31.5 ms, so 0.2 and then ~0.05 a
+    # row; 0: rows only)
     call_cost: float = 0.2
     decay: float = 0.7  # weight of the past in each part's running acceptance (per step it proposes)
     # the model part (EAGLE, Medusa, lookahead) is not asked to draft in a step where the host part (suffix,
@@ -204,16 +210,59 @@ def with_aux(merged: Proposal, part: Proposal) -> Proposal:
     return Proposal(merged.tree, merged.tokens, None, part.aux_tokens, part.aux_positions, mask)
 
 
+class StepCosts:
+    """A step's seconds by its verify size T (verify call, verification, the parts' updates, host
+    drafting; the model part's drafting is timed apart): a running average per size measured, and
+    for a size not measured yet the nearest measured one's, scaled by the prior shape (call_cost,
+    row_cost). A step timed over STALL x its size's average (another process, a cold cache) counts
+    as STALL x."""
+
+    def __init__(self, call_cost: float, row_cost: float) -> None:
+        self.call_cost, self.row_cost = call_cost, row_cost
+        self.by_size: dict[int, Average] = {}
+
+    def shape(self, t: float) -> float:
+        """The prior: a step of verify size `t` in plain steps."""
+        return 1 + self.call_cost * min(max(t - 1, 0.0), 1.0) + self.row_cost * max(t - 2, 0.0)
+
+    def observe(self, t: int, seconds: float) -> None:
+        self.by_size.setdefault(t, Average()).add(seconds, clip=STALL)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.by_size)
+
+    def _at(self, t: int) -> float:
+        if t in self.by_size:
+            return self.by_size[t].value  # type: ignore[return-value]
+        near = min(self.by_size, key=lambda m: (abs(m - t), m))
+        return self.by_size[near].value * self.shape(t) / self.shape(near)  # type: ignore[operator]
+
+    def seconds(self, t: float) -> float:
+        """A step's expected seconds at a (running average, so fractional) verify size; needs `measured`."""
+        lo = max(1, math.floor(t))
+        return self._at(lo) + (t - lo) * (self._at(lo + 1) - self._at(lo)) if t > lo else self._at(lo)
+
+
 class Learned:
     """What a fused method measured of its model part's drafts by the latest step on this export (per
     loaded export, as the adaptive policy's timings): a request starts from it, its added drafts moved
-    one step back toward the prior, and with its times unmeasured (so it drafts once, and measures),
-    not from the prior, which takes several steps to be measured down where the part does not pay."""
+    one step back toward the prior, and with its drafting time unmeasured (so it drafts once, and
+    measures), not from the prior, which takes several steps to be measured down where the part does
+    not pay. Step times by verify size are the export's (`StepCosts`): every request adds to them."""
 
     def __init__(self) -> None:
         self.added: list[float] | None = None
         self.model_rows: list[float] = []
         self.missed: list[float] = []
+        self.costs: StepCosts | None = None
+        # the parts' measured acceptance (per step, per sibling rank) at the latest step: `missed` was
+        # measured against the host's, so a request that restarted the host's from the prior (a miss
+        # rate of 0.5, against 0.3 measured on grounded text) would expect the model part to add 1.7x
+        # what it did, and draft beside copies it cannot improve on (lookahead's window then takes
+        # 8 of the copy's 14 nodes: 6 such steps a request on grounded prompts)
+        self.acceptance: list[float] | None = None
+        self.rates: list[RankAcceptance] = []
 
 
 class FusedDrafter(Drafter):
@@ -248,15 +297,17 @@ class FusedDrafter(Drafter):
         self.missed = [1.0, 0.5]  # the host's miss rate (1 - its first draft's acceptance) in those steps
         self.host_rows = 0.0  # the host part's placed nodes per step (running)
         self.last: list[PartProposal] = []  # this step's parts and their placement (tests read it)
-        # running seconds: the model part's drafting in a step after one it drafted (a skipped EAGLE head's
-        # catch-up is the price of having skipped), and a step's verify call, updates and host drafting;
-        # step_rows: the verify rows of the steps step_s timed
-        self.model_s: float | None
-        self.step_s: float | None
-        self.model_s, self.step_s, self.step_rows = None, None, 1.0
+        # running seconds of the model part's drafting in a step after one it drafted (a skipped EAGLE
+        # head's catch-up is the price of having skipped)
+        self.model_s: float | None = None
+        if learned.costs is None:
+            learned.costs = StepCosts(self.config.call_cost, self.config.row_cost)
+        self.costs = learned.costs
         if learned.added is not None:
             self.added = [keep * a + (1 - keep) * prior for a in learned.added]
             self.model_rows, self.missed = list(learned.model_rows), list(learned.missed)
+        if learned.acceptance is not None:  # where the parts stood: this request's steps soon outweigh it
+            self.acceptance, self.rates = list(learned.acceptance), [copy.deepcopy(r) for r in learned.rates]
         self._host_s, self._proposed_at, self._drafted = 0.0, 0.0, False
 
     def _average(self, old: float | None, new: float) -> float:
@@ -264,23 +315,22 @@ class FusedDrafter(Drafter):
 
     def model_worth_it(self, hosted: bool = True) -> bool:
         """Whether the model part's drafts are expected to buy more tokens per second than they cost,
-        beside a host proposal (`hosted`) or alone: (1 + host + added) / (1 + host rows' cost + model's
-        cost) against (1 + host) / (1 + host rows' cost), in plain decode steps, where added and the
-        model's rows are measured in steps it drafted (what it adds past the host's placed nodes, not
-        what it accepts: a head agreeing with the copy adds nothing), and its cost is those rows at
-        row_cost plus its drafting time over a plain step's (the steps timed, by the same rows cost), and
-        alone, the call_cost of verifying more than the root at all (beside a host proposal it is paid)."""
+        beside a host proposal (`hosted`) or alone: (1 + host + added) tokens in a step of the host's
+        verify size plus the model's rows, plus its drafting time, against (1 + host) in a step of the
+        host's size (alone: a plain step's). `added` and the model's rows are measured in steps it
+        drafted (what it adds past the host's placed nodes, not what it accepts: a head agreeing with
+        the copy adds nothing); the step times by size are measured (StepCosts)."""
         host = self.acceptance[1] if hosted else 0.0
-        added, c = self.expected_added(hosted), self.config.row_cost
-        fixed = 0.0 if hosted else self.config.call_cost
-        if added < c + fixed:
-            return False  # not even worth one verify row (and, alone, the call's wider shape)
-        if self.model_s is None or self.step_s is None:
+        added = self.expected_added(hosted)
+        without = 1 + (self.host_rows if hosted else 0.0)
+        # at least one row of its own: a part whose drafts all were the host's adds nothing for its time
+        with_model = without + max(self.model_rows[hosted], 1.0)
+        costs = self.costs
+        if (1 + host + added) * costs.shape(without) <= (1 + host) * costs.shape(with_model):
+            return False  # not worth its rows even if drafting were free (the prior shape of a step's time)
+        if self.model_s is None or not costs.measured:
             return True  # not measured yet: draft, and measure
-        plain_s = self.step_s / (1 + c * (self.step_rows - 1))
-        host_cost = c * self.host_rows if hosted else 0.0
-        model_cost = c * self.model_rows[hosted] + self.model_s / plain_s + fixed
-        return added * (1 + host_cost) > (1 + host) * model_cost
+        return (1 + host + added) * costs.seconds(without) > (1 + host) * (costs.seconds(with_model) + self.model_s)
 
     def host_misses(self, hosted: bool) -> float:
         return 1 - self.rates[1].at(0) if hosted else 1.0
@@ -321,8 +371,7 @@ class FusedDrafter(Drafter):
             part.update(state, proposal, verdict, target_out)
         if not self.last:  # a plain step (adaptive), not this drafter's
             return
-        self.step_s = self._average(self.step_s, time.perf_counter() - self._proposed_at + self._host_s)
-        self.step_rows = self._average(self.step_rows, proposal.size)
+        self.costs.observe(proposal.size, time.perf_counter() - self._proposed_at + self._host_s)
         committed = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus
         keep = self.config.decay
         for i, placed in enumerate(self.last):
@@ -347,4 +396,5 @@ class FusedDrafter(Drafter):
             self.missed[hosted] = keep * self.missed[hosted] + (1 - keep) * self.host_misses(hosted)
         learned = self.learned
         learned.added, learned.model_rows, learned.missed = list(self.added), list(self.model_rows), list(self.missed)
+        learned.acceptance, learned.rates = list(self.acceptance), [copy.deepcopy(r) for r in self.rates]
         self.last = []

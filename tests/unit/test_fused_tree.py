@@ -5,13 +5,11 @@ best first. On exports: tests/test_fused_drafting.py."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from specdeploy.runtime.drafters.base import DecodeState, Drafter, Proposal
-from specdeploy.runtime.drafters.fused import EagleSuffixConfig, FusedDrafter, LookaheadSuffixConfig
+from specdeploy.runtime.drafters.fused import EagleSuffixConfig, FusedDrafter, LookaheadSuffixConfig, StepCosts
 from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
 from specdeploy.runtime.drafters.tree_budget import MergedTree, PartProposal, RankAcceptance, merge, walked
 from specdeploy.runtime.errors import SpecDeployError
@@ -173,7 +171,9 @@ def test_lazy_weighs_the_model_parts_drafting_time_against_what_it_buys():
     model, host = Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0), [80])
     d = fused(model, host, nodes=6)
     assert d.model_worth_it()  # nothing measured yet: draft with both, and measure
-    d.acceptance, d.step_s = [2.0, 1.0], 1.0  # the model part adds 2 x the copy's miss rate (prior 0.5) to 1
+    for t in range(1, 16):  # a step costs 1 s at any verify size: only the drafting time counts
+        d.costs.observe(t, 1.0)
+    d.acceptance = [2.0, 1.0]  # the model part adds 2 x the copy's miss rate (prior 0.5) to 1
     d.model_s = 0.2  # 3 tokens per 1.2 s beat 2 per 1.0 s
     assert d.model_worth_it() and (70,) in paths(d.propose(state()))
     d.model_s = 0.6  # 3 per 1.6 s do not
@@ -200,19 +200,50 @@ def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_
     # a step lookahead sits out runs no window: the budget goes to the host part
     lazy = FusedDrafter(LookaheadSuffixConfig(nodes=14), [la, host], window=8)
     lazy.start(s)
-    lazy.acceptance, lazy.step_s, lazy.model_s = [0.1, 3.0], 1.0, 0.0
-    lazy.added = [0.1, 0.1]  # the window's 0.4 of a step buys 0.1
+    lazy.acceptance, lazy.model_s = [0.1, 3.0], 0.0
+    lazy.added = [0.1, 0.1]  # the window's rows buy 0.1
     q = lazy.propose(s)
     assert q.aux_tokens is None and q.tree.size - 1 == 4  # the copy's drafts worth a row at the prior (.5^4)
-    # the window's rows count as the model part's cost: 8 rows at 5% of a step each
-    lazy.acceptance, lazy.added = [2.0, 1.0], [1.0, 1.0]
-    assert lazy.model_worth_it()  # 1 added to the copy's 1: 3 per 1.4 steps beat 2 per 1
-    lazy.added = [0.7, 0.7]
-    assert not lazy.model_worth_it()  # 2.7 per 1.4 do not
-    assert lazy.model_worth_it(hosted=False)  # alone, 1.7 per 1.6 (call_cost 0.2) beat a plain step's 1 per 1
-    lazy.config = dataclasses.replace(lazy.config, call_cost=0.35)
-    assert not lazy.model_worth_it(hosted=False)  # 1.7 per 1.75 do not: a call wider than the root costs
-    assert not lazy.model_worth_it()  # beside a copy the wider call is paid: as before
+    # the window's rows count as the model part's cost, at the measured time of the step they widen:
+    # here 1 s and 0.05 s a row past the root
+    for t in range(1, 16):
+        lazy.costs.observe(t, 1 + 0.05 * (t - 1))
+    lazy.acceptance, lazy.added, lazy.host_rows = [2.0, 1.0], [1.0, 1.0], 4.0
+    assert lazy.model_worth_it()  # 1 added to the copy's 1: 3 per 1.6 s (T=13) beat 2 per 1.2 s (T=5)
+    lazy.added = [0.6, 0.6]
+    assert not lazy.model_worth_it()  # 2.6 per 1.6 do not
+    assert lazy.model_worth_it(hosted=False)  # alone, 1.6 per 1.4 s (T=9) beat a plain step's 1 per 1
+    slow = LookaheadSuffixConfig()  # where a call wider than the root costs 0.35 of a step more
+    lazy.costs = StepCosts(slow.call_cost, slow.row_cost)
+    for t in range(1, 16):
+        lazy.costs.observe(t, 1 + 0.35 * (t > 1) + 0.05 * (t - 1))
+    assert not lazy.model_worth_it(hosted=False)  # 1.6 per 1.75 do not
+    assert lazy.model_worth_it()  # beside a copy the wider call is paid: 2.6 per 1.95 beat 2 per 1.55
+
+
+def test_a_steps_time_is_measured_per_verify_size_and_scaled_by_the_prior_shape_between():
+    costs = StepCosts(call_cost=0.2, row_cost=0.05)
+    assert not costs.measured
+    for t, ms in ((1, 15.8), (2, 19.2), (3, 20.2), (9, 25.4), (15, 31.5)):  # SmolLM2, 2 cores
+        costs.observe(t, ms)
+    assert costs.seconds(2) == 19.2 and costs.seconds(2.5) == pytest.approx(19.7)  # measured, and between
+    # T=5 from its nearest measured size, T=3, by the prior's shape: 20.2 x 1.35 / 1.25
+    assert costs.seconds(5) == pytest.approx(20.2 * 1.35 / 1.25)
+    # two rows beside a one-row copy cost more than two beside an eight-row one (not priced per row)
+    assert costs.seconds(3) / costs.seconds(1) > costs.seconds(11) / costs.seconds(9)
+    costs.observe(1, 1000.0)  # a stalled step counts as STALL x the average, not 63 x
+    assert costs.seconds(1) < 15.8 * 2
+
+
+def test_the_model_part_drafts_where_its_rows_widen_a_wide_step_little_and_not_where_they_widen_a_plain_one():
+    model, host = Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0), [80])
+    d = fused(model, host, nodes=14, row_cost=0.05)
+    for t, ms in ((1, 15.8), (2, 19.2), (3, 20.2), (5, 23.6), (9, 25.4), (15, 31.5)):
+        d.costs.observe(t, ms)
+    d.model_s, d.model_rows, d.added, d.acceptance = 1.0, [2.0, 2.0], [0.3, 0.3], [1.0, 0.3]
+    assert not d.model_worth_it(hosted=False)  # alone: 1.3 per 21.2 ms (T=3) lose to 1 per 15.8
+    d.host_rows = 7.0
+    assert d.model_worth_it()  # beside a 7-row copy: 1.6 per 26.4 ms (T=10) beat 1.3 per 24.5 (T=8)
 
 
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
@@ -300,8 +331,14 @@ def test_a_request_starts_from_what_the_last_one_measured_one_step_back_toward_t
         s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
         d.update(s, p, Verdict(path, 99), None)
     measured, missed = d.added[True], d.missed[True]
-    assert measured < 1.0
+    copy_rate, acceptance = d.rates[1].at(0), list(d.acceptance)
+    assert measured < 1.0 and copy_rate > 0.9  # the copy's first draft: taken every step, against 0.5 a priori
     d.start(state())  # the next request on the same export (build shares its Learned per method config)
     assert d.added == pytest.approx([1.0, 0.9 * measured + 0.1 * 1.0]) and d.missed[True] == missed
+    # the host's acceptance where `missed` was measured, not the prior's: else the copy's prior miss rate
+    # (0.5) over the measured one would scale what the model part is expected to add up 5x
+    assert d.rates[1].at(0) == copy_rate and d.acceptance == acceptance
+    assert d.expected_added(True) == pytest.approx(d.added[True] * (1 - copy_rate) / missed)
+    assert d.expected_added(True) < 0.1
     assert d.model_s is None  # its times this request's own: it drafts once, and measures
     assert fused(model, host).added == [1.0, 1.0]  # a drafter of its own starts from the prior
