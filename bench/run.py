@@ -48,7 +48,7 @@ from .workers import Worker, WorkerFailed
 QUANTIZED = {"int8": "specdeploy-int8", "int4": "specdeploy-int4"}
 SYSTEMS = ("specdeploy", *QUANTIZED.values(), "hf", "optimum", "ortgenai", "ortgenai-int4", "llamacpp",
            "llamacpp-q8_0", "llamacpp-q4_1")
-ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "eagle+suffix",
+ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "draft+suffix", "eagle+suffix",
                "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup", "lookahead+suffix")
 PEERS = tuple(s for s in SYSTEMS if not s.startswith("specdeploy"))
 # Our methods run on the quantized exports by default: ar and the methods that lead on the real model.

@@ -1,4 +1,4 @@
-"""Fused drafting on the micro export with EAGLE and Medusa heads (lookahead's window needs none):
+"""Fused drafting on the micro export with its draft model, EAGLE and Medusa heads (lookahead's window needs none):
 every fused method prints plain greedy decoding's tokens (and HF's) and `ar`'s tokens for a seed, verifies trees within
 its node budget in which a candidate both parts propose is one node, and its drafts are used,
 also where the model part sat steps out (lazy) and caught up.
@@ -19,13 +19,14 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def micro_heads(micro_with_heads, tmp_path_factory):
-    """The micro target exported with its EAGLE head and Medusa heads (every fused method)."""
+    """The micro target exported with its draft model, EAGLE head and Medusa heads (every fused method)."""
     from specdeploy.export.exporter import export_all
     from specdeploy.runtime.loaded_export import LoadedExport
 
     quiet = lambda m: None  # noqa: E731
     out = export_all(micro_with_heads / "target", tmp_path_factory.mktemp("fused") / "micro",
-                     medusa=micro_with_heads / "medusa", eagle=micro_with_heads / "eagle", progress=quiet)
+                     draft=micro_with_heads / "draft", medusa=micro_with_heads / "medusa",
+                     eagle=micro_with_heads / "eagle", progress=quiet)
     return LoadedExport(out)
 
 

@@ -56,6 +56,8 @@ def chi_square_pvalue(samples, dist):
 @pytest.mark.parametrize("method,overrides,scheme", [
     ("draft", {"k": 1}, "rejection"), ("draft", {"k": 4}, "rejection"), ("ar", None, "rejection"),
     ("draft", {"k": 4}, "seeded"), ("ar", None, "seeded"),
+    # the draft model's sampled drafts in a fused tree: verified as the point masses they are once drawn
+    ("draft+suffix", {"lazy": False}, "rejection"),
 ])
 def test_speculative_sampling_matches_target_distribution(micro_export, method, overrides, scheme):
     from specdeploy.runtime.generate import generate

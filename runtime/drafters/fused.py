@@ -1,12 +1,12 @@
 """Fused drafting: two drafters' candidates merged into one draft tree per step.
 
-Prompt lookup and suffix decoding win where text is copied, EAGLE and Medusa where it is
-not; one verify call can try both. Each step both parts propose their own tree (sized
+Prompt lookup and suffix decoding win where text is copied, a draft model, EAGLE and Medusa
+where it is not; one verify call can try both. Each step both parts propose their own tree (sized
 to the whole budget); the fused drafter merges the nodes worth their verify rows into one
 trie under the root of at most `nodes` candidates (below).
 
-The parts are a model part (EAGLE, Medusa: head calls every step it drafts; lookahead: its
-Jacobi window's rows in the verify call) and a host part (suffix, prompt lookup: next to
+The parts are a model part (the draft model: a call per draft; EAGLE, Medusa: head calls every
+step it drafts; lookahead: its Jacobi window's rows in the verify call) and a host part (suffix, prompt lookup: next to
 free). The host part proposes first; with `lazy`, the model part sits the step out unless the
 tokens per second expected with its drafts beat those without, by what it measurably added
 in the steps it drafted: the accepted drafts past the host's placed nodes (a head or trie that
@@ -34,8 +34,12 @@ its merged parent's worth times that acceptance, at most what the parent's earli
 left: beside a confident copy a head's different guess is worth only the copy's miss rate. A part
 with a long confident match takes the budget, the other shrinks to what its own acceptance still
 pays for, and the tree is only as large as its rows pay for. Verification is unchanged
-(runtime/verify.py): both parts are deterministic, so greedy output equals plain greedy decoding
-and seeded sampling equals `ar`'s.
+(runtime/verify.py): the merged nodes are deterministic drafts, so greedy output equals plain
+greedy decoding and seeded sampling (the fused methods' default) equals `ar`'s; the draft model
+races the target's noise there, a function of the seed and the position. Under rejection sampling
+(asked for) the draft model's drafts are draws, and the merged tree verifies them as the point masses
+they are once drawn: exact, since they are drawn before, and apart from, the verification's own
+randomness, but accepted with p(x) rather than min(1, p(x) / q(x)) (tests/test_sampling_lossless.py).
 
 A part's config is the export's config of that method, widened to the budget where it
 has a size (EAGLE-2's total_tokens, suffix's max_nodes, prompt lookup's k); a static tree
@@ -147,8 +151,20 @@ class LookaheadPromptLookupConfig(FusedConfig):
     parts: ClassVar[tuple[str, str]] = ("lookahead", "prompt-lookup")
 
 
+@dataclass(frozen=True)
+class DraftSuffixConfig(FusedConfig):
+    method: ClassVar[str] = "draft+suffix"
+    parts: ClassVar[tuple[str, str]] = ("draft", "suffix")
+
+
+@dataclass(frozen=True)
+class DraftPromptLookupConfig(FusedConfig):
+    method: ClassVar[str] = "draft+prompt-lookup"
+    parts: ClassVar[tuple[str, str]] = ("draft", "prompt-lookup")
+
+
 CONFIGS = (EagleSuffixConfig, EaglePromptLookupConfig, MedusaSuffixConfig, MedusaPromptLookupConfig,
-           LookaheadSuffixConfig, LookaheadPromptLookupConfig)
+           LookaheadSuffixConfig, LookaheadPromptLookupConfig, DraftSuffixConfig, DraftPromptLookupConfig)
 
 
 def part_config(export, part: str, nodes: int):
@@ -184,10 +200,6 @@ def build(export, config: FusedConfig) -> FusedDrafter:
     if window >= config.nodes:
         raise SpecDeployError(f"method {config.method!r}: {config.method}.nodes ({config.nodes}) leaves no "
                               f"candidate beside the lookahead window's {window} rows; raise nodes")
-    for part, drafter in zip(config.parts, drafters):
-        if not drafter.deterministic:
-            raise SpecDeployError(f"method {config.method!r}: part {part!r} samples its drafts; only "
-                                  "deterministic drafters can share a tree")
     return FusedDrafter(config, drafters, window, export.part(f"fused-learned:{config!r}", Learned))
 
 

@@ -32,11 +32,12 @@ VERIFY_TOKENS = {"ar": 1, "draft": 9, "prompt-lookup": 15, "lookahead": 15, "suf
 def test_registry_lists_every_method_once():
     assert known_methods() == ["ar", "draft", "prompt-lookup", "lookahead", "suffix", "eagle", "medusa",
                                "eagle+suffix", "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup",
-                               "lookahead+suffix", "lookahead+prompt-lookup"]
+                               "lookahead+suffix", "lookahead+prompt-lookup", "draft+suffix", "draft+prompt-lookup"]
     assert all(name == spec.config.method for name, spec in REGISTRY.items())
     assert {n: s.export_input for n, s in REGISTRY.items() if s.export_input} == {
         "draft": "draft", "eagle": "eagle", "medusa": "medusa", "eagle+suffix": "eagle",
-        "eagle+prompt-lookup": "eagle", "medusa+suffix": "medusa", "medusa+prompt-lookup": "medusa"}
+        "eagle+prompt-lookup": "eagle", "medusa+suffix": "medusa", "medusa+prompt-lookup": "medusa",
+        "draft+suffix": "draft", "draft+prompt-lookup": "draft"}
     assert {n for n, s in REGISTRY.items() if s.calibrate} == {"eagle", "medusa"}
 
 
