@@ -17,10 +17,11 @@ export, per size), not priced per row: a call's cost is far from linear in its r
 2 cores: T=1/2/3/9/15 15.8/19.2/20.2/25.4/31.5 ms), so two rows beside a one-row copy cost more
 than two beside a six-row one. Beside a host proposal and alone (the host has nothing) are measured
 apart: a part that does not pay alone (EAGLE or Medusa on chat) is no more drafted for want of a
-copy. A step it sits out tells nothing new of it; what it is expected to add scales with the
-host's miss rate now against where it was measured, so a host whose copies stop being taken
-brings it back. A skipped EAGLE head catches up on
-the skipped steps' features the next time it drafts. Lookahead's window (auxiliary rows after
+copy, and one that pays more alone than beside a mostly wrong copy (the draft model on chat)
+drafts in the copy's place (`model_alone_beats_both`; the copy's proposal is still measured).
+A step it sits out tells nothing new of it; what it is expected to add scales with the host's
+miss rate now against where it was measured, so a host whose copies stop being taken brings it
+back. A skipped EAGLE head catches up on the skipped steps' features the next time it drafts. Lookahead's window (auxiliary rows after
 the tree, runtime/drafters/lookahead.py) rides in the merged step, its rows taken from the node
 budget (verify T stays `nodes` + 1); a step it sits out runs no window, and its window then
 refills from fresh outputs. Its trie holds only its pool's n-grams here: the host part copies.
@@ -320,7 +321,7 @@ class FusedDrafter(Drafter):
             self.model_rows, self.missed = list(learned.model_rows), list(learned.missed)
         if learned.acceptance is not None:  # where the parts stood: this request's steps soon outweigh it
             self.acceptance, self.rates = list(learned.acceptance), [copy.deepcopy(r) for r in learned.rates]
-        self._host_s, self._proposed_at, self._drafted = 0.0, 0.0, False
+        self._host_s, self._proposed_at, self._drafted, self._alone = 0.0, 0.0, False, False
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.config.decay * old + (1 - self.config.decay) * new
@@ -332,17 +333,36 @@ class FusedDrafter(Drafter):
         host's size (alone: a plain step's). `added` and the model's rows are measured in steps it
         drafted (what it adds past the host's placed nodes, not what it accepts: a head agreeing with
         the copy adds nothing); the step times by size are measured (StepCosts)."""
-        host = self.acceptance[1] if hosted else 0.0
-        added = self.expected_added(hosted)
-        without = 1 + (self.host_rows if hosted else 0.0)
-        # at least one row of its own: a part whose drafts all were the host's adds nothing for its time
-        with_model = without + max(self.model_rows[hosted], 1.0)
+        host, added, without, with_model = self._step(hosted)
         costs = self.costs
         if (1 + host + added) * costs.shape(without) <= (1 + host) * costs.shape(with_model):
             return False  # not worth its rows even if drafting were free (the prior shape of a step's time)
-        if self.model_s is None or not costs.measured:
-            return True  # not measured yet: draft, and measure
-        return (1 + host + added) * costs.seconds(without) > (1 + host) * (costs.seconds(with_model) + self.model_s)
+        rates = self.tokens_per_second(hosted)
+        return rates is None or rates[1] > rates[0]  # not measured yet: draft, and measure
+
+    def _step(self, hosted: bool) -> tuple[float, float, float, float]:
+        """The host's accepted drafts, what the model part would add, and the verify size without and with it."""
+        without = 1 + (self.host_rows if hosted else 0.0)
+        # at least one row of its own: a part whose drafts all were the host's adds nothing for its time
+        return (self.acceptance[1] if hosted else 0.0, self.expected_added(hosted), without,
+                without + max(self.model_rows[hosted], 1.0))
+
+    def tokens_per_second(self, hosted: bool) -> tuple[float, float] | None:
+        """A step's expected tokens per second without the model part's drafts and with them, beside a
+        host proposal (`hosted`) or alone; None until its drafting and the step times are measured."""
+        if self.model_s is None or not self.costs.measured:
+            return None
+        host, added, without, with_model = self._step(hosted)
+        seconds = self.costs.seconds
+        return (1 + host) / seconds(without), (1 + host + added) / (seconds(with_model) + self.model_s)
+
+    def model_alone_beats_both(self) -> bool:
+        """Beside a host proposal the model part drafts (model_worth_it): whether it is expected to do
+        better without the host's nodes, as where it drafts alone. A copy that is mostly wrong (chat)
+        costs rows, and what the model adds past it was measured lower than what it adds alone (SmolLM2's
+        int4 self-draft on chat: 0.9-1.5 accepted drafts a step beside suffix's copies, 1.4-1.9 alone)."""
+        hosted, alone = self.tokens_per_second(True), self.tokens_per_second(False)
+        return hosted is not None and alone is not None and alone[1] > max(hosted)
 
     def host_misses(self, hosted: bool) -> float:
         return 1 - self.rates[1].at(0) if hosted else 1.0
@@ -360,7 +380,10 @@ class FusedDrafter(Drafter):
         host_proposal = host.propose(state)
         t1 = time.perf_counter()
         self._host_s = t1 - t0
-        if self.config.lazy and not self.model_worth_it(hosted=host_proposal.tree.size > 1):
+        hosted = host_proposal.tree.size > 1
+        # lazy: the model part drafts where it pays, beside the copy or (where that pays better) in its place
+        self._alone = self.config.lazy and hosted and self.model_alone_beats_both()
+        if self.config.lazy and not (self._alone or self.model_worth_it(hosted)):
             model_proposal = Proposal.root_only(root)
         else:
             model_proposal = model.propose(state)
@@ -371,7 +394,9 @@ class FusedDrafter(Drafter):
         self.last = placed
         # the model part's window rows (lookahead) come out of the budget in a step it drafts
         budget = self.config.nodes - (0 if model_proposal.aux_tokens is None else len(model_proposal.aux_tokens))
-        merged = merge(placed, self.rates, budget, self.config.row_cost, root)
+        # a copy left out is still measured on its whole proposal (update): the target's tokens are the same
+        merged = merge([placed[0], PartProposal(Proposal.root_only(root))] if self._alone else placed, self.rates,
+                       budget, self.config.row_cost, root)
         proposal = with_aux(merged.proposal(), model_proposal)
         self._proposed_at = time.perf_counter()
         return proposal
@@ -393,8 +418,8 @@ class FusedDrafter(Drafter):
                 self.acceptance[i] = keep * self.acceptance[i] + (1 - keep) * got
                 self.rates[i].observe(tree, placed.proposal.tokens, committed)
         model, host = self.last
-        hosted = host.proposal.tree.size > 1
-        hosts = set(host.merged.values())
+        hosted = host.proposal.tree.size > 1 and not self._alone  # a copy left out: a step the model drafted alone
+        hosts = set(host.merged.values()) if hosted else {0}
         if hosted:
             self.host_rows = keep * self.host_rows + (1 - keep) * (len(hosts) - 1)
         if model.proposal.tree.size > 1 or model.proposal.aux_tokens is not None:

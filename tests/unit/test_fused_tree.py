@@ -246,6 +246,34 @@ def test_the_model_part_drafts_where_its_rows_widen_a_wide_step_little_and_not_w
     assert d.model_worth_it()  # beside a 7-row copy: 1.6 per 26.4 ms (T=10) beat 1.3 per 24.5 (T=8)
 
 
+def test_beside_a_copy_that_is_mostly_wrong_the_model_part_drafts_in_its_place():
+    model, host = Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0), [80])
+    d = fused(model, host, nodes=6, row_cost=0.05)
+
+    def timed():  # a plain step 1 s, a wider one 0.2 s more and 0.05 s a row past two
+        d.costs = StepCosts(0.2, 0.05)
+        for t in range(1, 8):
+            d.costs.observe(t, 1 + 0.2 * (t > 1) + 0.05 * max(t - 2, 0))
+
+    timed()
+    d.model_s, d.model_rows, d.host_rows = 0.2, [2.0, 2.0], 1.0
+    d.acceptance, d.added = [2.0, 0.2], [1.8, 0.5]  # the copy is taken 0.2 a step; the model adds 1.8 alone
+    # with the copy: 1.2 + 0.5 per 1.5 s; the copy alone 1.2 per 1.2 s; the model alone 2.8 per 1.45 s
+    assert d.model_alone_beats_both()
+    s = state()
+    p = d.propose(s)
+    assert paths(p) == {(70,), (70, 71)}  # the copy's row left out
+    s.tokens.extend([70, 71, 99])
+    before = d.acceptance[1]
+    d.update(s, p, Verdict([0, 1, 2], 99), None)
+    assert d.acceptance[1] < before  # the copy is still measured on its whole proposal: it missed
+    assert d.added[False] > 1.8 and d.added[True] == 0.5  # a step the model part drafted alone
+    # a copy that is taken keeps its place: both beat the model alone
+    timed()  # (the update timed its step: microseconds here)
+    d.acceptance, d.added = [2.0, 3.0], [1.8, 1.0]
+    assert not d.model_alone_beats_both() and (80,) in paths(d.propose(state()))
+
+
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
                                  {"decay": 1.0}, {"decay": -0.1}, {"row_cost": 1.0}, {"row_cost": -0.1},
                                  {"call_cost": -0.1}])
