@@ -21,11 +21,12 @@ copy, and one that pays more alone than beside a mostly wrong copy (the draft mo
 drafts in the copy's place (`model_alone_beats_both`; the copy's proposal is still measured).
 A step it sits out tells nothing new of it; what it is expected to add scales with the host's
 miss rate now against where it was measured, so a host whose copies stop being taken brings it
-back. A skipped EAGLE head catches up on the skipped steps' features the next time it drafts. Lookahead's window (auxiliary rows after
-the tree, runtime/drafters/lookahead.py) rides in the merged step, its rows taken from the node
-budget (verify T stays `nodes` + 1); a step it sits out runs no window, and its window then
-refills from fresh outputs. Its trie holds only its pool's n-grams here: the host part copies.
-Timing decides only which drafts are tried, never which tokens are emitted.
+back. A skipped EAGLE head catches up on the skipped steps' features the next time it drafts.
+Lookahead's window (auxiliary rows after the tree, runtime/drafters/lookahead.py) rides in the
+merged step, its rows taken from the node budget (verify T stays `nodes` + 1); a step it sits
+out runs no window, and its window then refills from fresh outputs. Its trie holds only its
+pool's n-grams here: the host part copies. Timing decides only which drafts are tried, never
+which tokens are emitted.
 
 Which nodes go in is one rule for every pair (drafters/tree_budget.py): a node is worth the
 chance that the target's path runs through it, and goes in, best first, while that is at least
