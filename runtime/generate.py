@@ -141,7 +141,12 @@ class Generation:
             timed = policy is not None
             # A step emits up to proposal.size tokens: never past the context (a T=2 graph would let
             # a quantized target's 2-row step emit a token at position max_context).
-            if proposal.size > 1 and (target.graph_for(proposal.size) > room or proposal.size >= room):
+            # A tree (or auxiliary rows) with nothing cached yet (a one-token prompt: the root is all of it):
+            # ONNX Runtime's GroupQueryAttention takes a call with no past for a prompt and attends
+            # causally, whatever the tree mask says (a sibling's rows then read each other's KV).
+            first_tree = target.cache.length == 0 and (proposal.tree.chain_rows < proposal.tree.size
+                                                       or proposal.aux_tokens is not None)
+            if proposal.size > 1 and (target.graph_for(proposal.size) > room or proposal.size >= room or first_tree):
                 proposal = Proposal.root_only(state.tokens[-1])  # near the context end: plain decode
                 speculate = timed = False  # drafted for nothing: no sample of either kind of step
             tv = time.perf_counter()

@@ -146,7 +146,8 @@ JOBS = [dict(prompt="Once upon a time", method="ar"),
         dict(prompt="a b c d a b c d a b", method="suffix", temperature=0.8, seed=3),
         dict(prompt="Hello", method="draft", sampling="seeded", temperature=0.7, seed=5),
         dict(prompt="the cat sat on the mat", method="lookahead"),
-        dict(prompt="Once upon a time there was", method="ar", temperature=1.0, seed=11, stop=["e"])]
+        dict(prompt="Once upon a time there was", method="ar", temperature=1.0, seed=11, stop=["e"]),
+        dict(prompt="the dog ran and the dog ran and the", method="draft+suffix", temperature=0.9, seed=7)]
 
 
 @pytest.fixture(scope="module")

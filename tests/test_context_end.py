@@ -137,3 +137,28 @@ def test_export_has_the_small_graphs_the_end_needs(full, eagle3):
         graphs = export.manifest.graphs_of(EAGLE_DRAFT, EAGLE, PORTABLE)
         width = int(head.extra["feature_dim"])  # a one-row catch-up fits until the last position
         assert any(g.tokens == 1 and g.features == width for g in graphs)
+
+
+def test_a_tree_verified_before_anything_is_cached_equals_ar(full):
+    """A one-token prompt is all root: the first verify call has no past. A tree there (a sibling
+    before the accepted path) must still give sequential decoding's tokens (ONNX Runtime's
+    GroupQueryAttention attends causally in a call with no past, whatever the mask)."""
+    import numpy as np
+
+    from specdeploy.runtime.drafters.base import Drafter, Proposal
+    from specdeploy.runtime.tree import Tree
+
+    ids = _prompt(full.tokenizer, 1)
+    want = _generate(full, ids, "ar").token_ids
+
+    class SiblingFirst(Drafter):
+        """First step: a wrong guess, then beside it the right two tokens; plain steps after."""
+
+        def propose(self, state):
+            if len(state.tokens) > 1:
+                return Proposal.root_only(state.tokens[-1])
+            wrong = (want[0] + 1) % full.manifest.models["target"].vocab_size
+            return Proposal(Tree((-1, 0, 0, 2)), np.array([state.tokens[-1], wrong, want[0], want[1]], np.int64))
+
+    got = _generate(full, ids, "prompt-lookup", drafter=SiblingFirst())
+    assert got.token_ids == want  # (the tree is verified plainly: with it, token 3 came out wrong)
