@@ -391,6 +391,7 @@ class FusedDrafter(Drafter):
             if self._drafted or self.model_s is None:
                 self.model_s = self._average(self.model_s, time.perf_counter() - t1)
         self._drafted = model_proposal.tree.size > 1
+        self._alone = self._alone and (self._drafted or model_proposal.aux_tokens is not None)  # else keep the copy
         placed = [PartProposal(model_proposal), PartProposal(host_proposal)]
         self.last = placed
         # the model part's window rows (lookahead) come out of the budget in a step it drafts

@@ -272,6 +272,10 @@ def test_beside_a_copy_that_is_mostly_wrong_the_model_part_drafts_in_its_place()
     timed()  # (the update timed its step: microseconds here)
     d.acceptance, d.added = [2.0, 3.0], [1.8, 1.0]
     assert not d.model_alone_beats_both() and (80,) in paths(d.propose(state()))
+    # where the model part then has nothing to propose, the copy stays
+    d.parts[0] = Fixed((-1,), [])
+    d.acceptance, d.added = [2.0, 0.2], [1.8, 0.5]
+    assert d.model_alone_beats_both() and paths(d.propose(state())) == {(80,)}
 
 
 @pytest.mark.parametrize("bad", [{"nodes": 1}, {"lazy": 1}, {"nodes": True}, {"prior": 0}, {"prior": "x"},
