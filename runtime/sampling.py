@@ -63,13 +63,36 @@ class SamplingParams:
         z = np.exp(z)
         p = z / z.sum()
         if self.top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            cum = np.cumsum(p[order])
-            keep = int(np.searchsorted(cum, self.top_p)) + 1  # smallest prefix reaching top_p (0: the top token)
+            kept = nucleus(p, self.top_p)
             filtered = np.zeros_like(p)
-            filtered[order[:keep]] = p[order[:keep]]
+            filtered[kept] = p[kept]
             p = filtered / filtered.sum()
         return p
+
+
+# Candidates nucleus() sorts before it falls back to sorting the whole vocabulary: sorting all of
+# SmolLM2's 49,152 probabilities took 5.9 ms a token (a decode step is ~16 ms), these ~0.4 ms.
+NUCLEUS_CANDIDATES = (256, 4096)
+
+
+def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The smallest prefix of p's tokens in descending order (ties: lower id first) whose mass
+    reaches top_p (at least the top token). Exactly what sorting the whole vocabulary gives: it sorts
+    every token at least as likely as the n-th likeliest (ties included, in id order), and that
+    prefix's sums are the full order's first sums, added in the same order; only where they fall
+    short of top_p does it sort more."""
+    for n in NUCLEUS_CANDIDATES:
+        if n >= len(p):
+            break
+        floor = np.partition(p, len(p) - n)[len(p) - n]  # the n-th largest
+        ids = np.flatnonzero(p >= floor)  # ascending ids: the stable sort keeps ties in id order
+        order = ids[np.argsort(-p[ids], kind="stable")]
+        cum = np.cumsum(p[order])
+        if cum[-1] >= top_p:
+            return order[: int(np.searchsorted(cum, top_p)) + 1]
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    return order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest prefix reaching top_p (0: the top token)
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specdeploy.runtime.errors import SpecDeployError
-from specdeploy.runtime.sampling import PositionNoise, SamplingParams, race, sample
+from specdeploy.runtime.sampling import NUCLEUS_CANDIDATES, PositionNoise, SamplingParams, nucleus, race, sample
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -54,6 +54,34 @@ def test_top_p_zero_keeps_the_most_probable_token():
     logits = np.log(np.array([0.2, 0.5, 0.3]))
     np.testing.assert_array_equal(SamplingParams(1.0, top_p=0).probs(logits), [0, 1, 0])
     np.testing.assert_array_equal(SamplingParams(0.7, top_k=2, top_p=0.0).probs(logits), [0, 1, 0])
+
+
+def _nucleus_by_full_sort(p, top_p):
+    order = np.argsort(-p, kind="stable")
+    return order[: int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])  # near flat (the whole-vocabulary fallback) to peaky
+@pytest.mark.parametrize("top_p", [0.0, 0.5, 0.9, 0.95, 0.999])
+def test_the_nucleus_equals_sorting_the_whole_vocabulary(scale, top_p):
+    rng = np.random.default_rng(int(scale * 10) + int(top_p * 1000))
+    for vocab in (100, 49152):
+        logits = rng.standard_normal(vocab) * scale
+        logits[rng.integers(0, vocab, 40)] = logits.max()  # ties at the top
+        logits = np.round(logits, 1)  # and ties everywhere, the candidates' boundary included
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        assert np.array_equal(nucleus(p, top_p), _nucleus_by_full_sort(p, top_p))
+    # the sampling distribution itself, bit for bit
+    z = rng.standard_normal(49152).astype(np.float32) * 4
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    want = np.exp((z.astype(np.float64) - z.max()) / 0.7)
+    want /= want.sum()
+    kept = _nucleus_by_full_sort(want, 0.95)
+    assert len(kept) < NUCLEUS_CANDIDATES[-1]
+    filtered = np.zeros_like(want)
+    filtered[kept] = want[kept]
+    assert np.array_equal(params.probs(z), filtered / filtered.sum())
 
 
 def test_sample_stays_in_the_support_and_follows_p():
