@@ -81,18 +81,15 @@ def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     every token at least as likely as the n-th likeliest (ties included, in id order), and that
     prefix's sums are the full order's first sums, added in the same order; only where they fall
     short of top_p does it sort more."""
-    for n in NUCLEUS_CANDIDATES:
-        if n >= len(p):
-            break
-        floor = np.partition(p, len(p) - n)[len(p) - n]  # the n-th largest
-        ids = np.flatnonzero(p >= floor)  # ascending ids: the stable sort keeps ties in id order
+    vocab = len(p)
+    for n in [n for n in NUCLEUS_CANDIDATES if n < vocab] + [vocab]:
+        # ascending ids (the stable sort keeps ties in id order): those at least as likely as the n-th
+        ids = np.flatnonzero(p >= np.partition(p, vocab - n)[vocab - n]) if n < vocab else np.arange(vocab)
         order = ids[np.argsort(-p[ids], kind="stable")]
         cum = np.cumsum(p[order])
-        if cum[-1] >= top_p:
-            return order[: int(np.searchsorted(cum, top_p)) + 1]
-    order = np.argsort(-p, kind="stable")
-    cum = np.cumsum(p[order])
-    return order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest prefix reaching top_p (0: the top token)
+        if cum[-1] >= top_p or n == vocab:
+            return order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest prefix reaching top_p (0: the top token)
+    raise AssertionError("the last candidate count is the vocabulary")
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
