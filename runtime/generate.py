@@ -147,7 +147,7 @@ class Generation:
             first_tree = target.cache.length == 0 and (proposal.tree.chain_rows < proposal.tree.size
                                                        or proposal.aux_tokens is not None)
             if proposal.size > 1 and (target.graph_for(proposal.size) > room or proposal.size >= room or first_tree):
-                proposal = Proposal.root_only(state.tokens[-1])  # near the context end: plain decode
+                proposal = Proposal.root_only(state.tokens[-1])  # near the context end, or that first tree: plain
                 speculate = timed = False  # drafted for nothing: no sample of either kind of step
             tv = time.perf_counter()
             # Exact rows only (a quantized target): the tree in depth-first order, so its likeliest

@@ -435,5 +435,5 @@ class FusedDrafter(Drafter):
             self.missed[hosted] = keep * self.missed[hosted] + (1 - keep) * self.host_misses(hosted)
         learned = self.learned
         learned.added, learned.model_rows, learned.missed = list(self.added), list(self.model_rows), list(self.missed)
-        learned.acceptance, learned.rates = list(self.acceptance), [copy.deepcopy(r) for r in self.rates]
+        learned.acceptance, learned.rates = self.acceptance, self.rates  # copied by the next request's start
         self.last = []
