@@ -209,7 +209,8 @@ def test_greedy_runner_up_leaves_are_verified_and_taken(self_draft, micro_export
 def test_the_self_draft_drafts_on_its_targets_kv_of_the_committed_tokens(self_draft, micro_export):
     """A self-draft's cache holds the target's KV of every committed token: the prompt's (its int4 prefill
     cost as much as the target's), so the draft model runs no call over the prompt, and each step's
-    accepted tokens'. The output is still the target's own. A draft from another model is not seeded."""
+    accepted tokens', copied when it drafts. The output is still the target's own. A draft from another
+    model is not seeded."""
     import numpy as np
 
     from specdeploy.runtime.generate import Generation
@@ -235,10 +236,14 @@ def test_the_self_draft_drafts_on_its_targets_kv_of_the_committed_tokens(self_dr
     assert rows and max(rows) == 1  # the root and its drafts, one row a call: nothing over the prompt
     list(steps)
     assert max(rows) <= 2  # never a catch-up past the root and the last draft
-    # after every step the accepted tokens' rows are the target's too: the whole committed sequence
-    assert draft.cache.length == target.cache.length > prompt
+    # the accepted tokens' rows are the target's too, copied when it drafts next (a plain step copies nothing)
+    committed = target.cache.length
+    assert prompt < draft.cache.length < committed
+    calls = len(rows)
+    drafter.propose(gen.state)
+    assert max(rows[calls:]) == 1  # nothing fed but the root and its drafts
     for seeded, own in zip(target.cache.head_major(), draft.cache.head_major()):
-        np.testing.assert_array_equal(own[:, : target.cache.length], seeded[:, : target.cache.length])
+        np.testing.assert_array_equal(own[:, :committed], seeded[:, :committed])
     ar = Generation(export, ids, method="ar", max_new_tokens=24, ignore_eos=True).result()
     assert gen.new_ids == ar.token_ids
     # micro's draft is its own small model: its cache is its own prefill
