@@ -267,7 +267,9 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               "system, so all produce the same token counts; the same prompt token ids for every system",
               f"- {meta['threads']} threads for every system (ONNX Runtime intra-op threads / torch threads; "
               "inter-op 1), one generation at a time, each (system, method) in its own process; ONNX Runtime "
-              f"thread spinning: {meta.get('ort_spinning', 'default')} for every system",
+              f"thread spinning: {meta.get('ort_spinning', 'default')} for every system; OpenMP's wait policy "
+              "(llama.cpp's and torch's pools): "
+              f"{'passive' if meta.get('ort_spinning') == 'off' else 'each library default'} for every system",
               f"- interleaved: for each of {meta['repeats']} repeats, for each prompt, every system runs "
               "(order rotated); one warm-up generation per process not counted; "
               f"{meta['statistic']}; tokens/s = all new tokens / sum of the per-prompt median runs' times, "

@@ -17,6 +17,13 @@ class WorkerFailed(SpecDeployError):
     pass
 
 
+# OpenMP's wait policy, as inherited from whatever started the bench (the Makefile exports PASSIVE for
+# training and export, where spinning torch threads fight on shared cores; importing the GGUF converter
+# sets it too). A worker runs its library's own default instead: llama.cpp's OpenMP pool, passive, slept
+# at every barrier of a decode step and ran at 24 tokens/s, 58 with the default (SmolLM2 float32, chat).
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
 def thread_env(threads: int) -> dict:
     """Every system gets the same thread budget; these cover the libraries that read env vars."""
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": "1",
@@ -38,6 +45,7 @@ class Worker:
         else:
             self.argv = [sys.executable, "-m", "specdeploy.bench.worker"]
             base = dict(os.environ)
+        base = {k: v for k, v in base.items() if k not in OPENMP_WAIT_VARS}
         self.env = {**base, **thread_env(setup["threads"])}
         if setup.get("ort_spinning") == "off":
             self.env["OMP_WAIT_POLICY"] = "PASSIVE"  # torch's OpenMP pool: the same policy

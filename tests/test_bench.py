@@ -588,3 +588,18 @@ def test_profile_splits_the_ar_steps_graph_by_op(micro_export):
     assert proc.returncode == 0, proc.stderr
     assert "target_fused_t1.onnx (T=1" in proc.stdout and "ms per call" in proc.stdout
     assert "GroupQueryAttention" in proc.stdout and "%" in proc.stdout
+
+
+def test_workers_run_their_librarys_own_openmp_wait_policy(monkeypatch, tmp_path):
+    """`make` exports OMP_WAIT_POLICY=PASSIVE (for training); inherited, it slowed llama.cpp's decode 2.4x.
+    A worker drops it, unless the bench itself runs every system passive (--ort-spinning off)."""
+    from specdeploy.bench.workers import Worker
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    for system in ("specdeploy", "hf", "llamacpp", "ortgenai"):
+        env = Worker(system, "ar", {"threads": 2}, tmp_path / "w.log", tmp_path).env
+        assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env, system
+        assert env["OMP_NUM_THREADS"] == "2"
+    env = Worker("hf", "ar", {"threads": 2, "ort_spinning": "off"}, tmp_path / "w.log", tmp_path).env
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
