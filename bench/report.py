@@ -266,7 +266,9 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               f"{'greedy' if meta['greedy'] else 'temperature ' + str(meta['temperature'])}, EOS ignored by every "
               "system, so all produce the same token counts; the same prompt token ids for every system",
               f"- {meta['threads']} threads for every system (ONNX Runtime intra-op threads / torch threads; "
-              "inter-op 1), one generation at a time, each (system, method) in its own process; ONNX Runtime "
+              "inter-op 1), one generation at a time; a peer's (system, method) in a process of its own, our methods "
+              "of one export in one process (the weights held once, as a service holds them: their peak RSS is "
+              "that process's); ONNX Runtime "
               f"thread spinning: {meta.get('ort_spinning', 'default')} for every system; OpenMP's wait policy "
               "(llama.cpp's and torch's pools): "
               f"{'passive' if meta.get('ort_spinning') == 'off' else 'each library default'} for every system",

@@ -42,10 +42,11 @@ from ..runtime.errors import SpecDeployError
 from . import llamacpp, machine, roofline
 from . import peers as peerlib
 from .prompts import encode_items, has_chat_template, load_items, shipped_sets, warm_cache
-from .workers import Worker, WorkerFailed
+from .workers import MethodView, Worker, WorkerFailed
 
 # our quantized exports' systems, by the target's weight precision (manifest quantization bits)
 QUANTIZED = {"int8": "specdeploy-int8", "int4": "specdeploy-int4"}
+OURS = ("specdeploy", *QUANTIZED.values())  # our runtime's systems: one process per export, its methods in it
 SYSTEMS = ("specdeploy", *QUANTIZED.values(), "hf", "optimum", "ortgenai", "ortgenai-int4", "llamacpp",
            "llamacpp-q8_0", "llamacpp-q4_1")
 ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "draft+suffix", "eagle+suffix",
@@ -301,28 +302,54 @@ def _start_workers(rows, opts, export, skipped, quant: dict) -> list[Worker]:
             except (SpecDeployError, OSError) as exc:
                 skipped.append({"system": "llamacpp", "method": "draft", "reason": str(exc)})
                 rows.remove(("llamacpp", "draft"))
-    workers = []
-    _say(f"starting {len(rows)} workers, one after another: {', '.join(f'{s}/{m}' for s, m in rows)}")
+    # Our methods of one export share a process (bench/worker.py): a system's later rows ride on its first's
+    ours = {s: [m for s2, m in rows if s2 == s] for s in OURS if any(s2 == s for s2, _ in rows)}
+    processes: dict[str, tuple[Worker, list]] = {}
+    refused: set[str] = set()  # our systems whose process did not start: every row of theirs is reported
+    workers: list = []
+    _say(f"starting workers for {len(rows)} rows, one after another: {', '.join(f'{s}/{m}' for s, m in rows)}")
     for system, method in rows:
+        if system in refused:
+            continue
+        if system in processes:
+            process, views = processes[system]
+            error = ((process.info.get("methods") or {}).get(method) or {}).get("error")
+            if error:
+                skipped.append({"system": system, "method": method, "reason": f"could not start: {error}"})
+            else:
+                workers.append(MethodView(process, method, views))
+            continue
+        group = ours.get(system, [method])
         # Every worker stays loaded for the whole interleaved run; one more must not push the machine
         # (shared, and without swap) out of memory: below the floor, the rest are reported, not started.
         free = machine.available_mib()
+        reason = None
         if free is not None and free < MIN_FREE_MIB:
-            skipped.append({"system": system, "method": method,
-                            "reason": f"not started: {free:.0f} MiB of memory available with {len(workers)} workers "
-                                      f"loaded (floor {MIN_FREE_MIB} MiB); pass fewer --methods or --peers"})
+            reason = (f"not started: {free:.0f} MiB of memory available with {len(workers)} rows loaded "
+                      f"(floor {MIN_FREE_MIB} MiB); pass fewer --methods or --peers")
             _say(f"  {system}/{method} not started: {free:.0f} MiB available")
+        else:
+            setup = _setup_message(system, method, opts, export, genai_dirs, ggufs, quant)
+            if system in ours:
+                setup["methods"] = group
+            w = Worker(system, method, setup, opts.work_dir / "logs" / f"{system}-{method}.log", opts.peers_dir)
+            try:
+                w.launch()
+                w.ready(SETUP_TIMEOUT_S)
+            except (WorkerFailed, OSError) as exc:
+                w.close()
+                reason = f"could not start: {exc}"
+                _say(f"  {w.label} unavailable: {exc}")
+        if reason is not None:
+            skipped.extend({"system": system, "method": m, "reason": reason} for m in group)
+            if system in ours:
+                refused.add(system)
             continue
-        w = Worker(system, method, _setup_message(system, method, opts, export, genai_dirs, ggufs, quant),
-                   opts.work_dir / "logs" / f"{system}-{method}.log", opts.peers_dir)
-        try:
-            w.launch()
-            w.ready(SETUP_TIMEOUT_S)
+        if system in ours:
+            processes[system] = (w, [])
+            workers.append(MethodView(w, method, processes[system][1]))
+        else:
             workers.append(w)
-        except (WorkerFailed, OSError) as exc:
-            w.close()
-            skipped.append({"system": system, "method": method, "reason": f"could not start: {exc}"})
-            _say(f"  {w.label} unavailable: {exc}")
     return workers
 
 

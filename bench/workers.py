@@ -116,3 +116,41 @@ class Worker:
                 self.kill()
         if getattr(self, "_log", None):
             self._log.close()
+
+
+class MethodView:
+    """One row (system, method) served by a worker process that runs several methods of one export
+    (our runtime's: bench/worker.py), as a Worker to the orchestrator: its requests name the method;
+    its info is the process's with the method's own parameters; the process stops with its last row."""
+
+    def __init__(self, process: Worker, method: str, rows: list):
+        self.process, self.method, self.system = process, method, process.system
+        self.label = f"{self.system}/{method}"
+        self._rows = rows  # every view of the process, this one included, while it runs
+        self._rows.append(self)
+
+    @property
+    def peak_rss_mb(self) -> float:
+        return self.process.peak_rss_mb
+
+    @property
+    def info(self) -> dict:
+        info = {k: v for k, v in self.process.info.items() if k != "methods"}
+        own = (self.process.info.get("methods") or {}).get(self.method, {})
+        return {**info, **own, "methods_in_process": sorted((self.process.info.get("methods") or {}))}
+
+    def call(self, msg: dict, timeout: float) -> dict:
+        return self.process.call({**msg, "method": self.method}, timeout)
+
+    def _leave(self, stop) -> None:
+        if self in self._rows:
+            self._rows.remove(self)
+            if not self._rows:
+                stop()
+
+    def kill(self) -> None:
+        """This row failed: the process stays for the others (a timeout has killed it already)."""
+        self._leave(self.process.kill)
+
+    def close(self) -> None:
+        self._leave(self.process.close)

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import BUILD, hf_greedy, run_cli
 
+from specdeploy.runtime.loaded_export import LoadedExport
+
 # The micro family repeats newlines after most prompts; this one makes it write varied
 # code, so "the peer's tokens equal ours" compares something.
 PROMPT = "def f(x):\n    return"
@@ -192,6 +194,49 @@ def test_a_fresh_suffix_cache_per_run_unless_the_set_keeps_it_warm(micro_export,
         w.close()
     assert calls[0] == calls[1]  # the second run did not see the first one's output
     assert calls[2] < calls[1] / 2  # the warm cache drafts the repeated answer in long runs
+
+
+def test_our_methods_share_a_process_and_each_keeps_its_own_warm_cache(micro_export, tmp_path):
+    """Our methods of one export run in one worker process (the weights held once), yet on a warm set each
+    method's suffix cache holds only its own earlier outputs, though suffix and lookahead+suffix share one
+    cache per export: suffix drafts exactly as in a process of its own."""
+    from specdeploy.bench import run
+    from specdeploy.bench.workers import MethodView, Worker
+
+    loaded = LoadedExport(micro_export)
+    opts = run.BenchOptions(export=micro_export, threads=1, max_new_tokens=32)
+    setup = run._setup_message("specdeploy", "suffix", opts, loaded, {})
+    process = Worker("specdeploy", "suffix", {**setup, "methods": ["suffix", "lookahead+suffix"]},
+                     tmp_path / "shared.log", opts.peers_dir)
+    process.launch()
+    process.ready(120)
+    rows: list = []
+    suffix, fused = MethodView(process, "suffix", rows), MethodView(process, "lookahead+suffix", rows)
+    p, q = (loaded.tokenizer.encode(text) for text in (PROMPT, "def multiply(a, b):\n    return"))
+
+    def calls(w, ids, fresh):
+        return w.call(run._request(ids, opts, opts.max_new_tokens, fresh_cache=fresh), 120)["target_calls"]
+
+    try:
+        assert fused.info["methods_in_process"] == ["lookahead+suffix", "suffix"]
+        assert fused.info["method_params"] != suffix.info["method_params"]
+        calls(suffix, p, True)
+        calls(fused, q, True)  # q's answer goes into the cache the two methods share
+        shared = calls(suffix, q, False)  # suffix's warm cache: p's answer only
+        fused_warm = calls(fused, q, False)  # lookahead+suffix's: its own answer to q
+    finally:
+        suffix.close()
+        fused.close()
+    assert process.proc.poll() is not None  # the last row stopped the process
+    alone, _ = _suffix_worker(micro_export, tmp_path)
+    try:
+        calls(alone, p, True)
+        assert calls(alone, q, False) == shared
+        calls(alone, q, True)
+        polluted = calls(alone, q, False)  # what suffix would have drafted with q's answer in its cache
+        assert polluted < shared and fused_warm < shared
+    finally:
+        alone.close()
 
 
 def test_warm_cache_sets_start_each_pass_empty_and_other_sets_every_run():
