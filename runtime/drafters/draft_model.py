@@ -130,8 +130,8 @@ class DraftModelDrafter(Drafter):
         # vocab_ids: the draft's logits score only these target ids (a draft vocabulary); its
         # distributions are zero elsewhere, over the full `vocab_size`
         self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
-        # A self-draft's cache holds its target's KV of every committed token (copied when it drafts:
-        # _seed), not its own; drafts only guess, the target verifies.
+        # A self-draft's cache holds its target's KV of every committed token (the prompt's at start,
+        # the rest when it drafts: _seed), not its own; drafts only guess, the target verifies.
         # Its own int4 prefill cost as much as the float32 target's and doubled the method's time to
         # first token (SmolLM2, 540-token prompt: 1,015 vs 474 ms for ar); and drafting on the
         # target's rows agrees more (8 prompts x 96 tokens: 2.73 vs 2.35 tokens per call on chat,
@@ -147,7 +147,10 @@ class DraftModelDrafter(Drafter):
     def start(self, state: DecodeState) -> None:
         self.decoder.reset()
         self._fed = None  # no step of an earlier request is still to be observed
-        self._seeded = 0  # the prompt's rows are copied when it first drafts (_seed)
+        self._seeded = 0
+        # The prompt's rows now, beside the prefill, not in the first proposal: a fused method times its
+        # model part's drafting there, and a long prompt's copy would price its drafts too high.
+        self._seed(state)
 
     def _pick(self, logits: np.ndarray, state: DecodeState, index: int, probs: list) -> tuple[int, float]:
         """The draft token for sequence index `index` and its probability under the draft. Seeded:

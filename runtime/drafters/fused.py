@@ -21,7 +21,9 @@ copy, and one that pays more alone than beside a mostly wrong copy (the draft mo
 drafts in the copy's place (`model_alone_beats_both`; the copy's proposal is still measured).
 A step it sits out tells nothing new of it; what it is expected to add scales with the host's
 miss rate now against where it was measured, so a host whose copies stop being taken brings it
-back. A skipped EAGLE head catches up on the skipped steps' features the next time it drafts.
+back, and after a spell out it drafts two steps anyway (PROBE_AFTER: a probe, ever rarer while
+probes find it does not pay), so one slow drafting step cannot leave it out. A skipped EAGLE
+head catches up on the skipped steps' features the next time it drafts.
 Lookahead's window (auxiliary rows after the tree, runtime/drafters/lookahead.py) rides in the
 merged step, its rows taken from the node budget (verify T stays `nodes` + 1); a step it sits
 out runs no window, and its window then refills from fresh outputs. Its trie holds only its
@@ -73,6 +75,11 @@ _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "
 # A verify row's cost in steps: the runtime's measured per-row cost (SmolLM2 on 2 cores, T=4/9/15
 # 1.1/1.4/1.7x T=1), the one prompt lookup sizes its drafts with (drafters/draft_length.py).
 ROW_COST = PromptLookupConfig.row_cost
+# Steps the model part sits out before it drafts two steps anyway (a probe: the second is timed,
+# the first pays a skipped head's catch-up), doubling while probes leave it out, back to the first
+# once it pays. A step it sits out measures nothing of it: one slow drafting step (cold caches after
+# an idle spell, another process's load) left the model part out for the rest of a request.
+PROBE_AFTER = (8, 128)
 
 
 @dataclass(frozen=True)
@@ -323,9 +330,14 @@ class FusedDrafter(Drafter):
         if learned.acceptance is not None:  # where the parts stood: this request's steps soon outweigh it
             self.acceptance, self.rates = list(learned.acceptance), [copy.deepcopy(r) for r in learned.rates]
         self._host_s, self._proposed_at, self._drafted, self._alone = 0.0, 0.0, False, False
+        self._sat_out, self._probe_wait, self._probing = 0, PROBE_AFTER[0], 0  # steps; the wait; probe steps left
 
     def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else self.config.decay * old + (1 - self.config.decay) * new
+        """The running drafting time: a sample over STALL x the average counts as STALL x (a stall), and one
+        under 1/STALL x restarts it (the average held a stall: a request's first, cold drafting step)."""
+        if old is None or new * STALL < old:
+            return new
+        return self.config.decay * old + (1 - self.config.decay) * min(new, STALL * old)
 
     def model_worth_it(self, hosted: bool = True) -> bool:
         """Whether the model part's drafts are expected to buy more tokens per second than they cost,
@@ -374,6 +386,17 @@ class FusedDrafter(Drafter):
         taken brings it back; a step it sits out tells nothing new of it)."""
         return self.added[hosted] * self.host_misses(hosted) / max(self.missed[hosted], 1e-3)
 
+    def _probe(self) -> bool:
+        """Whether the model part, not worth its drafts by the estimates, drafts anyway (PROBE_AFTER)."""
+        if not self._probing and self._sat_out >= self._probe_wait:
+            self._probing, self._sat_out = 2, 0
+            self._probe_wait = min(2 * self._probe_wait, PROBE_AFTER[1])
+        if self._probing:
+            self._probing -= 1
+            return True
+        self._sat_out += 1
+        return False
+
     def propose(self, state: DecodeState) -> Proposal:
         # The host part (second: suffix, prompt lookup) first: it costs next to nothing.
         (model, host), root = self.parts, state.tokens[-1]
@@ -384,7 +407,10 @@ class FusedDrafter(Drafter):
         hosted = host_proposal.tree.size > 1
         # lazy: the model part drafts where it pays, beside the copy or (where that pays better) in its place
         self._alone = self.config.lazy and hosted and self.model_alone_beats_both()
-        if self.config.lazy and not (self._alone or self.model_worth_it(hosted)):
+        worth = self.config.lazy and (self._alone or self.model_worth_it(hosted))
+        if worth and not self._probing:
+            self._sat_out, self._probe_wait = 0, PROBE_AFTER[0]
+        if self.config.lazy and not (worth or self._probe()):
             model_proposal = Proposal.root_only(root)
         else:
             model_proposal = model.propose(state)

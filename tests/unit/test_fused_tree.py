@@ -5,11 +5,19 @@ best first. On exports: tests/test_fused_drafting.py."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from specdeploy.runtime.drafters.base import DecodeState, Drafter, Proposal
-from specdeploy.runtime.drafters.fused import EagleSuffixConfig, FusedDrafter, LookaheadSuffixConfig, StepCosts
+from specdeploy.runtime.drafters.fused import (
+    PROBE_AFTER,
+    EagleSuffixConfig,
+    FusedDrafter,
+    LookaheadSuffixConfig,
+    StepCosts,
+)
 from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
 from specdeploy.runtime.drafters.tree_budget import MergedTree, PartProposal, RankAcceptance, merge, walked
 from specdeploy.runtime.errors import SpecDeployError
@@ -151,16 +159,17 @@ def test_lazy_the_model_part_sits_out_while_the_host_part_is_measured_better():
     host = Fixed((-1, 0, 1, 2), [80, 81, 82])
     d, s = fused(model, host, nodes=6, row_cost=0.05), state()
     asked = []
-    for _ in range(14):  # the target takes the host's copy
+    for _ in range(16):  # the target takes the host's copy
         p = d.propose(s)
         path = [0] + [i for i in range(1, p.tree.size) if 80 <= p.tokens[i]]
         s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
         d.update(s, p, Verdict(path, 99), None)
         asked.append(model.asked)
     # asked while what it adds where the copy misses (its accepted drafts per step, measured 0 and down
-    # by 0.7 a step, x the copy's miss rate) may be worth its time, then left out whatever the times:
-    # not worth one row
-    assert 1 <= asked[9] == asked[-1] <= 9
+    # by 0.7 a step, x the copy's miss rate) may be worth its time, then left out whatever the times
+    # (not worth one row) but for a probe's two steps once it sat out PROBE_AFTER[0]
+    out = next(i for i in range(len(asked) - 1) if asked[i] == asked[i + 1])
+    assert 1 <= asked[out] <= 9 and asked[out + PROBE_AFTER[0]] == asked[out] and asked[-1] == asked[out] + 2
     assert paths(d.propose(s)) == {(80,), (80, 81), (80, 81, 82)}
     empty = fused(model, Fixed((-1,), []), nodes=6)  # a host with nothing to propose: the model part drafts
     empty.acceptance = [0.1, 5.0]
@@ -352,6 +361,58 @@ def test_lazy_a_model_part_that_only_agrees_with_the_copy_adds_nothing_and_sits_
     alone = fused(Counting((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05)
     alone.added = [0.01, 1.0]  # alone, its drafts were measured to add nothing: no host proposal forces it
     assert alone.propose(state()).tree.size == 1
+
+
+class Taken(Fixed):
+    """A chain, drafted in 2 ms, counting the steps it was asked to draft."""
+
+    asked = 0
+
+    def propose(self, state):
+        self.asked += 1
+        time.sleep(0.002)
+        return super().propose(state)
+
+
+def _step(d: FusedDrafter, s: DecodeState, taken: set[int]) -> bool:
+    """One step where the target takes the merged tree's leading tokens in `taken`, its verify call 10 ms and 1 ms
+    a row more; whether the model part drafted."""
+    p = d.propose(s)
+    time.sleep(0.010 + 0.001 * (p.tree.size - 1))
+    path = [0]
+    while True:
+        nxt = next((c for c in p.tree.children[path[-1]] if int(p.tokens[c]) in taken), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+    drafted = d.last[0].proposal.tree.size > 1  # (update clears `last`)
+    s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
+    d.update(s, p, Verdict(path, 99), None)
+    return drafted
+
+
+def test_a_model_part_priced_out_by_one_slow_drafting_step_is_probed_and_comes_back():
+    """One stalled drafting step (cold caches after an idle spell) priced the model part out for the rest of a
+    request: a step it sits out measures nothing. After PROBE_AFTER[0] such steps it drafts two (the second
+    timed), and a time under 1/STALL of the stalled one restarts the average: it drafts again from then on."""
+    d, s = fused(Taken((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
+    assert all(_step(d, s, {70, 71}) for _ in range(4))  # drafting pays: both drafts taken every step
+    d.model_s = 10.0  # as if its last drafting step had stalled for 10 s
+    drafted = [_step(d, s, {70, 71}) for _ in range(PROBE_AFTER[0] + 6)]
+    wait = PROBE_AFTER[0]
+    assert not any(drafted[:wait]) and drafted[wait] and drafted[wait + 1]  # sat out, then the probe's two steps
+    assert d.model_s < 0.01
+    assert all(drafted[wait + 2:])
+
+
+def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
+    d, s = fused(Taken((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
+    drafted = [_step(d, s, set()) for _ in range(160)]  # the target never takes its drafts
+    starts = [i for i, (a, b) in enumerate(zip([False, *drafted], drafted)) if b and not a]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(gaps) >= 3 and all(b > a for a, b in zip(gaps[1:], gaps[2:]))  # probes, further and further apart
+    assert all(drafted[a : a + 3] == [True, True, False] for a in starts[2:])  # each a probe's two steps
+    assert max(gaps) <= PROBE_AFTER[1] + 2
 
 
 def test_a_request_starts_from_what_the_last_one_measured_one_step_back_toward_the_prior():
