@@ -273,7 +273,7 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
     return setup
 
 
-def _start_workers(rows, opts, export, skipped, quant: dict) -> list[Worker]:
+def _start_workers(rows, opts, export, skipped, quant: dict) -> list[Worker | MethodView]:
     genai_dirs: dict = {}
     if any(s in GENAI for s, _ in rows):
         try:
@@ -306,7 +306,7 @@ def _start_workers(rows, opts, export, skipped, quant: dict) -> list[Worker]:
     ours = {s: [m for s2, m in rows if s2 == s] for s in OURS if any(s2 == s for s2, _ in rows)}
     processes: dict[str, tuple[Worker, list]] = {}
     refused: set[str] = set()  # our systems whose process did not start: every row of theirs is reported
-    workers: list = []
+    workers: list[Worker | MethodView] = []
     _say(f"starting workers for {len(rows)} rows, one after another: {', '.join(f'{s}/{m}' for s, m in rows)}")
     for system, method in rows:
         if system in refused:
