@@ -22,7 +22,7 @@ from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
 from specdeploy.runtime.drafters.tree_budget import MergedTree, PartProposal, RankAcceptance, merge, walked
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.methods import method_spec
-from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.sampling import PositionNoise, SamplingParams
 from specdeploy.runtime.tree import Tree
 from specdeploy.runtime.verify import Verdict
 
@@ -439,3 +439,10 @@ def test_a_request_starts_from_what_the_last_one_measured_one_step_back_toward_t
     assert d.expected_added(True) < 0.1
     assert d.model_s is None  # its times this request's own: it drafts once, and measures
     assert fused(model, host).added == [1.0, 1.0]  # a drafter of its own starts from the prior
+    # a sampled request starts from its own scheme's measurements (none yet: the prior), not from greedy
+    # ones, and shares the export's step times; the next greedy request still finds the greedy ones
+    costs = d.costs
+    d.start(DecodeState([1, 2, 3], SamplingParams(temperature=0.7), np.random.default_rng(0), PositionNoise(3)))
+    assert d.added == [1.0, 1.0] and d.acceptance == [1.0, 1.0] and d.costs is costs
+    d.start(state())
+    assert d.added[True] == pytest.approx(0.9 * measured + 0.1)  # (the empty requests between measured nothing)
