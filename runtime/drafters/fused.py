@@ -265,22 +265,13 @@ class StepCosts:
         return self._at(lo) + (t - lo) * (self._at(lo + 1) - self._at(lo)) if t > lo else self._at(lo)
 
 
-class Learned:
-    """What a fused method measured of its model part's drafts by the latest step on this export (per
-    loaded export, as the adaptive policy's timings): a request starts from it, its added drafts moved
-    one step back toward the prior, and with its drafting time unmeasured (so it drafts once, and
-    measures), not from the prior, which takes several steps to be measured down where the part does
-    not pay. Step times by verify size are the export's (`StepCosts`): every request adds to them.
-    The rest is kept per sampling scheme (`for_scheme`): the draft model agrees with the target's
-    greedy token far more often than with its sample, and a seeded request that started from a greedy
-    code request's measurements (the copy taking nearly everything, the model part adding little) sat
-    its model part out: 1.03 tokens per call in a batched service, 2.67 at batch 1 after seeded ones."""
+class Measured:
+    """What requests of one sampling scheme measured of a fused method's model part by their latest step."""
 
     def __init__(self) -> None:
         self.added: list[float] | None = None
         self.model_rows: list[float] = []
         self.missed: list[float] = []
-        self.costs: StepCosts | None = None
         # the parts' measured acceptance (per step, per sibling rank) at the latest step: `missed` was
         # measured against the host's, so a request that restarted the host's from the prior (a miss
         # rate of 0.5, against 0.3 measured on grounded text) would expect the model part to add 1.7x
@@ -288,15 +279,22 @@ class Learned:
         # 8 of the copy's 14 nodes: 6 such steps a request on grounded prompts)
         self.acceptance: list[float] | None = None
         self.rates: list[RankAcceptance] = []
-        self._schemes: dict[str, Learned] = {}
 
-    def for_scheme(self, scheme: str, call_cost: float, row_cost: float) -> "Learned":
-        """The measurements of requests of one sampling scheme, with the export's step times."""
-        if self.costs is None:
-            self.costs = StepCosts(call_cost, row_cost)
-        mine = self._schemes.setdefault(scheme, Learned())
-        mine.costs = self.costs
-        return mine
+
+class Learned:
+    """What a fused method measured of its model part's drafts by the latest step on this export (per
+    loaded export, as the adaptive policy's timings): a request starts from it, its added drafts moved
+    one step back toward the prior, and with its drafting time unmeasured (so it drafts once, and
+    measures), not from the prior, which takes several steps to be measured down where the part does
+    not pay. Step times by verify size are the export's (`StepCosts`): every request adds to them.
+    The rest is kept per sampling scheme (`Measured`): the draft model agrees with the target's
+    greedy token far more often than with its sample, and a seeded request that started from a greedy
+    code request's measurements (the copy taking nearly everything, the model part adding little) sat
+    its model part out: 1.03 tokens per call in a batched service, 2.67 at batch 1 after seeded ones."""
+
+    def __init__(self) -> None:
+        self.costs: StepCosts | None = None
+        self.schemes: dict[str, Measured] = {}  # "greedy", "seeded", "rejection"
 
 
 class FusedDrafter(Drafter):
@@ -326,7 +324,9 @@ class FusedDrafter(Drafter):
         # per step the model part drafts (running), alone [0] or beside a host proposal [1]: the accepted
         # drafts it adds past the host's placed nodes, and the verify rows it adds (its nodes, lookahead's window)
         scheme = "greedy" if state.params.greedy else "seeded" if state.noise is not None else "rejection"
-        self._learned = learned = self.learned.for_scheme(scheme, self.config.call_cost, self.config.row_cost)
+        self._measured = learned = self.learned.schemes.setdefault(scheme, Measured())
+        if self.learned.costs is None:
+            self.learned.costs = StepCosts(self.config.call_cost, self.config.row_cost)
         prior, keep = float(self.config.prior), DECAY
         self.added = [prior] * 2
         self.model_rows = [float(self.window)] * 2
@@ -336,8 +336,7 @@ class FusedDrafter(Drafter):
         # running seconds of the model part's drafting in a step after one it drafted (a skipped EAGLE
         # head's catch-up is the price of having skipped)
         self.model_s: float | None = None
-        assert learned.costs is not None  # the export's, set by for_scheme
-        self.costs = learned.costs
+        self.costs = self.learned.costs
         if learned.added is not None:
             self.added = [keep * a + (1 - keep) * prior for a in learned.added]
             self.model_rows, self.missed = list(learned.model_rows), list(learned.missed)
@@ -473,7 +472,7 @@ class FusedDrafter(Drafter):
             self.added[hosted] = keep * self.added[hosted] + (1 - keep) * (len(verdict.path) - prefix)
             self.model_rows[hosted] = keep * self.model_rows[hosted] + (1 - keep) * (proposal.size - len(hosts))
             self.missed[hosted] = keep * self.missed[hosted] + (1 - keep) * self.host_misses(hosted)
-        learned = self._learned
+        learned = self._measured
         learned.added, learned.model_rows, learned.missed = list(self.added), list(self.model_rows), list(self.missed)
         learned.acceptance, learned.rates = self.acceptance, self.rates  # copied by the next request's start
         self.last = []
