@@ -41,6 +41,8 @@ class LoadedExport:
     """`flavor` picks the decoder graphs ONNX Runtime's CPU backend runs: "auto" takes the
     fused ones where the export has them, "portable" the standard-op ones (what TensorRT uses)."""
 
+    times_steps = True  # a step's verify call is this instance's own: drafters time it by size (step_costs.py)
+
     def __init__(self, path: str | Path, backend: str | None = None, threads: int | None = None,
                  verify_checksums: bool = True, flavor: str = "auto"):
         if flavor not in FLAVOR_CHOICES:

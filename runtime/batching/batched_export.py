@@ -25,6 +25,8 @@ from .scheduler import Batcher
 
 
 class BatchedExport(LoadedExport):
+    times_steps = False  # a row's step rides in the batch's call: the batch's policy sizes drafts (policy.py)
+
     def __init__(self, path: str | Path, rows: int, threads: int | None = None, verify_checksums: bool = True):
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise SpecDeployError(f"batch size must be an integer >= 1, got {rows!r}")

@@ -77,7 +77,7 @@ class Drafter:
     # A request's sampling scheme when SamplingParams.sampling is None. Seeded accepts a
     # deterministic draft exactly as often as rejection sampling does, and is seed-exact.
     default_sampling = "seeded"
-    # Sizes each proposal by what its verify rows cost (row_cost) and drafts on the host for free:
+    # Sizes each proposal by what its verify rows cost (drafters/step_costs.py) and drafts on the host for free:
     # the step-time policy (runtime/adaptive.py) has nothing to add, and on a shared CPU it turned
     # timing noise into plain steps (SmolLM2, 6 prompts a set, interleaved, load 3-5: prompt lookup
     # on code 1.76x ar with it, 1.89x without; suffix 1.96x vs 2.20x; no set slower without it).

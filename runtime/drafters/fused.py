@@ -61,19 +61,22 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..adaptive import STALL, Average
+from ..adaptive import STALL
 from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
 from .base import DecodeState, Drafter, Proposal
 from .draft_length import DECAY
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupConfig
+from .step_costs import StepCosts
 from .tree_budget import PartProposal, RankAcceptance, merge, walked
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
 _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}
-# A verify row's cost in steps: the runtime's measured per-row cost (SmolLM2 on 2 cores, T=4/9/15
-# 1.1/1.4/1.7x T=1), the one prompt lookup sizes its drafts with (drafters/draft_length.py).
+# A verify row's cost in steps past the first (SmolLM2 on 2 cores, T=4/9/15 1.1/1.4/1.7x T=1), prompt
+# lookup's prior per row (drafters/step_costs.py). Here a merged node's worth must reach it: a threshold,
+# looser than the tokens-per-second prefix the host drafters verify alone, which measured 2-8% slower here
+# (the model part's drafts are paid for before the merge; SmolLM2, 6 prompts a set, ABBA in 2 processes).
 ROW_COST = PromptLookupConfig.row_cost
 # Steps the model part sits out before it drafts two steps anyway (a probe: the second is timed,
 # the first pays a skipped head's catch-up), doubling while probes leave it out, back to the first
@@ -179,7 +182,7 @@ CONFIGS = (EagleSuffixConfig, EaglePromptLookupConfig, MedusaSuffixConfig, Medus
 def part_config(export, part: str, nodes: int):
     """The export's config of `part`, its proposal widened to `nodes` candidates where it has a size.
 
-    A part that sizes its drafts by their rows' cost (prompt lookup's row_cost) proposes its whole
+    A part that sizes its drafts by their rows' cost (prompt lookup's call_cost, row_cost) proposes its whole
     size: trimming is the merge's (by the part's acceptance on its own proposal), while the part's
     own length rule would read the merged step's verdict, the other part's drafts counted in."""
     config = export.method_config(part)
@@ -189,7 +192,8 @@ def part_config(export, part: str, nodes: int):
     size = nodes
     if part == "eagle":  # at most the candidates its top_k and depth grow
         size = min(nodes, config.top_k + (config.depth - 1) * config.top_k ** 2)
-    return with_overrides(config, {key: size, **({"row_cost": 0.0} if hasattr(config, "row_cost") else {})}, part)
+    free = {"call_cost": 0.0, "row_cost": 0.0} if hasattr(config, "row_cost") else {}
+    return with_overrides(config, {key: size, **free}, part)
 
 
 def part_configs(export, config: FusedConfig) -> dict:
@@ -229,40 +233,6 @@ def with_aux(merged: Proposal, part: Proposal) -> Proposal:
     mask[:, 0] = part.aux_mask[:, 0]
     mask[:, size:] = part.aux_mask[:, own:]
     return Proposal(merged.tree, merged.tokens, None, part.aux_tokens, part.aux_positions, mask)
-
-
-class StepCosts:
-    """A step's seconds by its verify size T (verify call, verification, the parts' updates, host
-    drafting; the model part's drafting is timed apart): a running average per size measured, and
-    for a size not measured yet the nearest measured one's, scaled by the prior shape (call_cost,
-    row_cost). A step timed over STALL x its size's average (another process, a cold cache) counts
-    as STALL x."""
-
-    def __init__(self, call_cost: float, row_cost: float) -> None:
-        self.call_cost, self.row_cost = call_cost, row_cost
-        self.by_size: dict[int, Average] = {}
-
-    def shape(self, t: float) -> float:
-        """The prior: a step of verify size `t` in plain steps."""
-        return 1 + self.call_cost * min(max(t - 1, 0.0), 1.0) + self.row_cost * max(t - 2, 0.0)
-
-    def observe(self, t: int, seconds: float) -> None:
-        self.by_size.setdefault(t, Average()).add(seconds, clip=STALL)
-
-    @property
-    def measured(self) -> bool:
-        return bool(self.by_size)
-
-    def _at(self, t: int) -> float:
-        if t in self.by_size:
-            return self.by_size[t].value  # type: ignore[return-value]
-        near = min(self.by_size, key=lambda m: (abs(m - t), m))
-        return self.by_size[near].value * self.shape(t) / self.shape(near)  # type: ignore[operator]
-
-    def seconds(self, t: float) -> float:
-        """A step's expected seconds at a (running average, so fractional) verify size; needs `measured`."""
-        lo = max(1, math.floor(t))
-        return self._at(lo) + (t - lo) * (self._at(lo + 1) - self._at(lo)) if t > lo else self._at(lo)
 
 
 class Measured:

@@ -11,7 +11,8 @@ from ..config import positive_int
 from ..errors import SpecDeployError
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
-from .draft_length import DraftLength
+from .draft_length import ChainAcceptance
+from .step_costs import StepTimer, cost_fields, sized_by_steps
 
 
 @dataclass(frozen=True)
@@ -23,15 +24,16 @@ class PromptLookupConfig:
     #              over k=4 (verify T = k + 1, the lookahead graph's size)
     max_ngram: int = 3  # longest suffix n-gram matched first
     min_ngram: int = 1
-    # cost of one more verify row, in plain decode steps: copy only as many tokens as the
-    # acceptance so far pays for (drafters/draft_length.py); 0: always up to k (rows are free, a GPU)
+    # the prior shape of a step's time by verify size, in plain steps, until sizes are measured
+    # (drafters/step_costs.py): call_cost for the first draft's row, row_cost for each after it; a chain
+    # is only as long as its expected tokens per second say. Both 0: every copied token is verified
+    # (rows are free, e.g. a GPU)
+    call_cost: float = 0.2
     row_cost: float = 0.05
 
     def __post_init__(self):
         positive_int(self.k, "prompt-lookup.k")
-        if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) or not \
-                0 <= self.row_cost < 1:
-            raise SpecDeployError(f"config: prompt-lookup.row_cost must be a number in [0, 1), got {self.row_cost!r}")
+        cost_fields(self, "prompt-lookup")
         positive_int(self.max_ngram, "prompt-lookup.max_ngram")
         positive_int(self.min_ngram, "prompt-lookup.min_ngram")
         if self.min_ngram > self.max_ngram:
@@ -44,13 +46,17 @@ class PromptLookupConfig:
 
 
 def build(export, config: PromptLookupConfig) -> PromptLookupDrafter:
-    return PromptLookupDrafter(config.k, config.max_ngram, config.min_ngram, config.row_cost)
+    return PromptLookupDrafter(config.k, config.max_ngram, config.min_ngram, sized_by_steps(export, config))
 
 
 def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
+    return find_match(tokens, k, max_ngram, min_ngram)[0]
+
+
+def find_match(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
     """Up to k tokens that followed an earlier occurrence of the longest suffix n-gram
     (longest n first): the most recent occurrence followed by k tokens, else the one
-    followed by the most (the earliest). Empty when nothing matches.
+    followed by the most (the earliest); and n. Empty (and 0) when nothing matches.
 
     Inside a repeated run the most recent occurrence overlaps the suffix and leaves
     only a token or two to copy; an earlier one copies the full k."""
@@ -70,25 +76,39 @@ def find_continuation(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int
         if len(hits):
             full = hits[hits + 1 + k <= length]
             start = int(full[-1] if len(full) else hits[0]) + 1
-            return tokens[start : start + k]
-    return tokens[:0]
+            return tokens[start : start + k], n
+    return tokens[:0], 0
 
 
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
-    sizes_own_rows = True  # DraftLength: a chain only as long as its acceptance pays for
+    sizes_own_rows = True  # a chain only as long as its acceptance pays for its rows (draft_length.py)
 
-    def __init__(self, k: int, max_ngram: int, min_ngram: int, row_cost: float = 0.0):
-        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
-        self.length = DraftLength(k, row_cost)
+    def __init__(self, k: int, max_ngram: int, min_ngram: int, timer: StepTimer | None = None):
+        """`timer` None: every copied token is verified (rows are free)."""
+        self.k, self.max_ngram, self.min_ngram, self.timer = k, max_ngram, min_ngram, timer
+        # the first draft's acceptance kept per matched n-gram length (a longer match is taken far more often)
+        self.length = ChainAcceptance(k, None if timer is None else timer.costs, kinds=max_ngram + 1)
+        self.copied = np.zeros(0, dtype=np.int64)  # this step's whole copy, before its length was chosen
+        self.matched = 0  # its n-gram's length
 
     def start(self, state: DecodeState) -> None:
         self.length.reset()
 
     def propose(self, state: DecodeState) -> Proposal:
+        if self.timer is not None:
+            self.timer.proposing()
         tokens = np.asarray(state.tokens, dtype=np.int64)
-        cont = find_continuation(tokens, self.length(), self.max_ngram, self.min_ngram)
+        self.copied, self.matched = find_match(tokens, self.k, self.max_ngram, self.min_ngram)
+        cont = self.copied[: self.length(self.matched, len(self.copied))]
         return Proposal(Tree.chain(len(cont)), np.concatenate([tokens[-1:], cont]))
 
     def update(self, state, proposal, verdict, target_out) -> None:
-        self.length.observe(proposal.tree.size - 1, verdict.accepted_drafts)
+        if self.timer is not None:
+            self.timer.verified(proposal.size)
+        # the whole copy measured: the committed tokens (the bonus too) walked down it
+        committed = state.tokens[len(state.tokens) - len(verdict.path):]
+        measured = min(len(self.copied), len(committed))
+        taken = next((i for i in range(measured) if self.copied[i] != committed[i]), measured)
+        self.length.observe(self.matched, measured, taken)
+        self.copied = self.copied[:0]  # a step this drafter did not propose (a batch's plain one) measures nothing

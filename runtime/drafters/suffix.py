@@ -7,11 +7,13 @@ Each step the longest context suffix (at most `max_match` tokens) found in a tre
 continued by a tree of its likeliest continuations, best-first by empirical path
 probability, within `max_nodes`. Of the two trees' proposals
 the one continuing the longer match wins (then the higher expected acceptance). Of that
-tree only the nodes worth their verify rows are verified, by the rule fused drafting uses
-(drafters/tree_budget.py: a node's chance of being on the target's path, from the per-draft
-acceptance measured in this request, at least `row_cost`): a frequent continuation that
-this answer does not follow costs rows, not only misses. Drafts are deterministic and sized
-by verified steps only, verified like prompt lookup's (greedy exact, sampling lossless).
+tree only the best nodes are verified, as many as maximize the expected tokens per second
+(drafters/step_costs.py: a step's measured time by verify size; a node's worth is its chance of
+being on the target's path, drafters/tree_budget.py, from the acceptance measured in this request:
+the root's children per match length, deeper nodes per depth, since acceptance comes in runs): a
+frequent continuation that this answer does not follow costs rows, not only misses. Drafts are
+deterministic and sized by verified steps and their times only, verified like prompt lookup's
+(greedy exact, sampling lossless).
 
 The cross-request cache lives on the loaded export (`LoadedExport.part`): one per export
 instance, so one per `Service` with the default pool of one (a pool of N holds N, each
@@ -34,6 +36,8 @@ from ..config import positive_int
 from ..errors import SpecDeployError
 from ..tree import Tree
 from .base import DecodeState, Drafter, Proposal
+from .draft_length import DEPTHS
+from .step_costs import StepTimer, best_prefix, cost_fields, sized_by_steps
 from .suffix_tree import SuffixCache, SuffixTree
 from .tree_budget import PartProposal, RankAcceptance, merge
 
@@ -47,8 +51,10 @@ class SuffixConfig:
     max_match: int = 8  # longest context suffix looked up; trees hold max_match + max_nodes tokens deep
     min_prob: float = 0.1  # candidates whose empirical path probability is lower are not proposed
     cache_tokens: int = 32768  # earlier requests' output tokens kept per export instance (0: none)
-    # a verify row's cost in decode steps (prompt lookup's): a node is verified while its chance of being
-    # on the target's path is at least this (0: the whole tree, rows are free, e.g. a GPU)
+    # the prior shape of a step's time by verify size until sizes are measured (prompt lookup's,
+    # drafters/step_costs.py): the tree's best nodes are verified while they raise the expected tokens
+    # per second. Both 0: the whole tree (rows are free, e.g. a GPU)
+    call_cost: float = 0.2
     row_cost: float = 0.05
 
     def __post_init__(self):
@@ -58,9 +64,7 @@ class SuffixConfig:
         if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, (int, float)) \
                 or not 0.0 <= self.min_prob <= 1.0:
             raise SpecDeployError(f"config: suffix.min_prob must be a number in [0, 1], got {self.min_prob!r}")
-        if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) \
-                or not 0.0 <= self.row_cost < 1.0:
-            raise SpecDeployError(f"config: suffix.row_cost must be a number in [0, 1), got {self.row_cost!r}")
+        cost_fields(self, "suffix")
 
     @property
     def depth(self) -> int:
@@ -69,6 +73,11 @@ class SuffixConfig:
     @property
     def verify_tokens(self) -> int:
         return self.max_nodes + 1
+
+
+# The root's children's acceptance is counted per length of the context match the tree continues (1, 2, 3,
+# 4 and longer): a longer match's continuation is taken far more often.
+MATCH_KINDS = 4
 
 
 def shared_cache(export, config: SuffixConfig) -> SuffixCache | None:
@@ -81,18 +90,21 @@ def shared_cache(export, config: SuffixConfig) -> SuffixCache | None:
 
 
 def build(export, config: SuffixConfig) -> SuffixDrafter:
-    return SuffixDrafter(config, shared_cache(export, config))
+    return SuffixDrafter(config, shared_cache(export, config), sized_by_steps(export, config))
 
 
 class SuffixDrafter(Drafter):
     name = "suffix"
     sizes_own_rows = True  # only nodes worth their rows are verified (tree_budget)
 
-    def __init__(self, config: SuffixConfig, cache: SuffixCache | None = None):
-        self.config, self.cache = config, cache
+    def __init__(self, config: SuffixConfig, cache: SuffixCache | None = None, timer: StepTimer | None = None):
+        """`timer` None: the whole tree is verified (rows are free)."""
+        self.config, self.cache, self.timer = config, cache, timer
 
     def start(self, state: DecodeState) -> None:
-        self.rate = RankAcceptance()  # measured on its whole trees (drafters/tree_budget.py)
+        # measured on its whole trees, the root's children per match length, deeper nodes per depth (tree_budget.py)
+        self.rate = RankAcceptance(MATCH_KINDS, DEPTHS)
+        self.kind = 0  # this step's proposal's: its match length's
         self.proposed: Proposal | None = None  # this step's whole tree, before the rows' cost trimmed it
         self.local = SuffixTree(self.config.depth)
         self.local.extend(0, state.tokens)
@@ -102,6 +114,8 @@ class SuffixDrafter(Drafter):
             self.seq = self.cache.begin()
 
     def propose(self, state: DecodeState) -> Proposal:
+        if self.timer is not None:
+            self.timer.proposing()
         c, context = self.config, state.tokens
         best = None
         for tree in (self.local, self.cache.tree) if self.cache is not None else (self.local,):
@@ -115,14 +129,19 @@ class SuffixDrafter(Drafter):
         chain = best.parents == tuple(range(-1, n - 1))  # the shared, precomputed chain tree
         self.proposed = Proposal(Tree.chain(n) if chain else Tree((-1,) + tuple(p + 1 for p in best.parents)),
                                  np.array((context[-1],) + best.tokens, dtype=np.int64))
-        if not c.row_cost:
+        self.kind = min(best.match, MATCH_KINDS) - 1
+        if self.timer is None:
             return self.proposed
-        return merge([PartProposal(self.proposed)], [self.rate], c.max_nodes, c.row_cost, context[-1]).proposal()
+        ranked = merge([PartProposal(self.proposed, self.kind)], [self.rate], c.max_nodes, 0.0, context[-1])
+        return ranked.proposal(best_prefix(ranked.worth[1:], self.timer.costs))
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
+        if self.timer is not None:
+            self.timer.verified(proposal.size)
         new = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus token
         if self.proposed is not None:  # acceptance on the whole tree (what a larger share would have had)
-            self.rate.observe(self.proposed.tree, self.proposed.tokens, new)
+            self.rate.observe(self.proposed.tree, self.proposed.tokens, new, self.kind)
+            self.proposed = None  # a step this drafter did not propose (a batch's plain one) measures nothing
         if self.cache is not None and self.seq is not None:
             self.cache.extend(self.seq, new)
         else:

@@ -1,29 +1,97 @@
-"""Draft length from acceptance (runtime/drafters/draft_length.py): long chains while drafts are
-accepted, short ones when they are not, k when rows are free."""
+"""Draft length from acceptance and a step's time by verify size (runtime/drafters/draft_length.py,
+step_costs.py): long chains while drafts are accepted, none when they do not pay for the rows, every
+draft when rows are free."""
 
 from __future__ import annotations
 
-from specdeploy.runtime.drafters.draft_length import DraftLength
+import numpy as np
+
+from specdeploy.runtime.drafters.base import DecodeState
+from specdeploy.runtime.drafters.draft_length import ChainAcceptance
+from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from specdeploy.runtime.drafters.step_costs import StepCosts, StepTimer, best_prefix
+from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.verify import Verdict
 
 
-def test_length_follows_acceptance():
-    length = DraftLength(most=14, cost=0.05)
-    assert length() == 4  # the prior: a = 0.5, 0.5^4 >= 0.05 > 0.5^5
-    for _ in range(20):  # every draft rejected
-        length.observe(length(), 0)
-    assert length() == 1
-    for _ in range(30):  # every draft accepted: no rejection seen, a -> 1
-        length.observe(length(), length())
+def test_length_follows_acceptance_and_the_prior_shape():
+    length = ChainAcceptance(most=14, costs=StepCosts(call_cost=0.2, row_cost=0.05))
+    # the prior: a first draft taken half the time, each later one 0.8 of the time after it: 8 drafts, 2.4
+    # tokens in 1.55 steps' time
+    assert length() == 8
+    for _ in range(20):  # every first draft rejected: not even one pays for the first row
+        length.observe(0, 14, 0)
+    assert length() == 0
+    for _ in range(30):  # every draft taken: the rates -> 1
+        length.observe(0, 14, 14)
     assert length() == 14
+    assert length(available=5) == 5
     length.reset()
-    assert length() == 4
+    assert length() == 8
+
+
+def test_first_drafts_are_measured_per_kind_and_later_ones_given_those_before():
+    length = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05), kinds=4)
+    for _ in range(20):  # 1-gram matches' copies are rejected at once, 3-gram matches' run on
+        length.observe(1, 14, 0)
+        length.observe(3, 14, 14)
+    assert length(1) == 0 and length(3) == 14
+    # a copy taken in one step of five, and then whole (a run): every draft is worth the first's 0.2, and 14 of
+    # them 2.8 tokens for 0.85 of a step's time
+    runs = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05))
+    for i in range(40):
+        runs.observe(0, 14, 14 if i % 5 == 4 else 0)
+    assert all(0.15 < w < 0.3 for w in runs.worths(0, 14)) and runs() == 14
+    # taken in one step of ten, and then only one more: not worth the first row
+    short = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05))
+    for i in range(40):
+        short.observe(0, 14, 2 if i % 10 == 4 else 0)
+    assert short() == 0
 
 
 def test_free_rows_and_empty_steps():
-    free = DraftLength(most=9, cost=0.0)
-    free.observe(9, 0)
+    free = ChainAcceptance(most=9, costs=None)
+    free.observe(0, 9, 0)
     assert free() == 9
-    length = DraftLength(most=14, cost=0.05)
-    before = length.rate
-    length.observe(0, 0)  # nothing drafted: no evidence
-    assert length.rate == before
+    length = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05))
+    before = length.worths(0, 14)
+    length.observe(0, 0, 0)  # nothing measured: no evidence
+    assert length.worths(0, 14) == before
+
+
+def test_measured_step_times_decide_the_length():
+    # SmolLM2 float32 on 2 cores, ms: a first row costs 0.28 of a step, later rows ~0.05
+    costs = StepCosts(call_cost=0.2, row_cost=0.05)
+    for t, ms in ((1, 17.4), (2, 22.3), (3, 23.6), (4, 24.3), (6, 28.0), (9, 31.4), (15, 36.8)):
+        costs.observe(t, ms / 1000)
+    assert best_prefix([0.25, 0.06], costs) == 0  # 1.25 tokens in 1.28 steps: plain decoding is faster
+    assert best_prefix([0.5, 0.25, 0.125], costs) == 3
+    # int4: rows cost 2-3x more of a step; the same acceptance verifies a shorter chain
+    int4 = StepCosts(0.2, 0.05)
+    for t, ms in ((1, 8.3), (2, 9.6), (3, 11.2), (4, 12.0), (6, 14.4), (9, 16.8), (15, 23.7)):
+        int4.observe(t, ms / 1000)
+    chain = [0.8 ** j for j in range(1, 15)]
+    assert (best_prefix(chain, int4), best_prefix(chain, costs)) == (4, 8)
+    # a size never run is priced from the nearest measured one by the prior shape
+    sparse = StepCosts(0.2, 0.05)
+    sparse.observe(1, 0.010)
+    assert abs(sparse.seconds(3) - 0.0125) < 1e-12
+
+
+def test_prompt_lookup_measures_its_whole_copy_in_a_plain_step():
+    """A copy not worth verifying (a plain step) still learns whether its first token would have been taken,
+    so the chain comes back when the answer starts copying."""
+    text = list(range(20, 32))
+    state = DecodeState(text * 2 + text[:3], SamplingParams(), np.random.default_rng(0))
+    costs = StepCosts(0.2, 0.05)
+    drafter = PromptLookupDrafter(14, 3, 1, StepTimer(costs, timed=False))
+    drafter.start(state)
+    drafter.length.first[3].hits = 0.1  # a request whose 3-gram matches' copies were rejected
+    proposal = drafter.propose(state)
+    assert proposal.size == 1 and len(drafter.copied) == 14  # the copy was found, not verified
+    for _ in range(6):  # the target follows the copy, one token per plain step
+        nxt = int(drafter.copied[0])
+        state.tokens.append(nxt)
+        drafter.update(state, proposal, Verdict([0], nxt), None)
+        proposal = drafter.propose(state)
+    assert proposal.size > 1

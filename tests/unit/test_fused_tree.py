@@ -16,9 +16,9 @@ from specdeploy.runtime.drafters.fused import (
     EagleSuffixConfig,
     FusedDrafter,
     LookaheadSuffixConfig,
-    StepCosts,
 )
 from specdeploy.runtime.drafters.lookahead import LookaheadDrafter
+from specdeploy.runtime.drafters.step_costs import StepCosts, StepTimer
 from specdeploy.runtime.drafters.tree_budget import MergedTree, PartProposal, RankAcceptance, merge, walked
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.methods import method_spec
@@ -87,7 +87,7 @@ def test_a_part_with_nothing_to_propose_leaves_the_whole_budget_to_the_other():
 def geometric(a: float) -> RankAcceptance:
     """A part measured to take its rank-r child with chance a^(1 + r) (the prior's shape at a = 0.5)."""
     rates = RankAcceptance()
-    rates.hits = [a ** (1 + r) * o for r, o in enumerate(rates.offered)]
+    rates.hits = [[a ** (1 + r) * o for r, o in enumerate(rates.offered[0])]]
     return rates
 
 
@@ -307,19 +307,22 @@ def test_suffix_verifies_only_the_drafts_worth_their_rows_by_the_same_rule():
 
     text = list(range(20, 32))
     s = DecodeState(text * 3 + text[:2], SamplingParams(), np.random.default_rng(0))
-    whole = SuffixDrafter(SuffixConfig(row_cost=0.0, cache_tokens=0))
+    whole = SuffixDrafter(SuffixConfig(cache_tokens=0))  # no timer: rows are free
     whole.start(s)
     assert whole.propose(s).tree.size - 1 == 14  # the repeated text, max_nodes of it
-    trimmed = SuffixDrafter(SuffixConfig(cache_tokens=0))  # row_cost 0.05
+    # priced by the prior shape (a first row 0.2 of a step, 0.05 each after it)
+    trimmed = SuffixDrafter(SuffixConfig(cache_tokens=0), None, StepTimer(StepCosts(0.2, 0.05), timed=False))
     trimmed.start(s)
     p = trimmed.propose(s)
-    assert p.tree.size - 1 == 4 and list(p.tokens[1:]) == text[2:6]  # the prior's 0.5: .5^4 >= .05
+    # the prior: a first draft taken half the time, each later one 0.8 of the time after it (acceptance comes
+    # in runs): 8 drafts, 2.4 tokens in 1.55 steps' time
+    assert p.tree.size - 1 == 8 and list(p.tokens[1:]) == text[2:10]
     for _ in range(3):  # the target follows the text: the measured acceptance grows, so does the tree
         nxt = text[(s.tokens.index(int(p.tokens[-1])) + 1) % len(text)]
         s.tokens.extend([int(t) for t in p.tokens[1:]] + [nxt])
         trimmed.update(s, p, Verdict(list(range(p.tree.size)), nxt), None)
         p = trimmed.propose(s)
-    assert p.tree.size - 1 > 4
+    assert p.tree.size - 1 == 14
     with pytest.raises(SpecDeployError, match=r"config: suffix\.row_cost"):
         SuffixConfig(row_cost=1.0)
 
@@ -332,8 +335,23 @@ def test_rank_acceptance_measures_each_sibling_rank_where_the_walk_passed():
         rates.observe(tree, tokens, [11, 5])
     assert rates.at(1) > 0.9 and rates.at(0) < 0.1 and rates.at(2) < 0.1
     chain = RankAcceptance()
-    chain.observe(Tree.chain(3), np.array([0, 1, 2, 3]), [1, 2, 9])  # 2 of 3 drafts: DraftLength's count
+    chain.observe(Tree.chain(3), np.array([0, 1, 2, 3]), [1, 2, 9])  # 2 of 3 drafts: a chain's count
     assert chain.at(0) == pytest.approx((0.9 * 1.0 + 2) / (0.9 * 2.0 + 3))
+
+
+def test_rank_acceptance_per_kind_at_the_root_and_per_depth_below():
+    rates = RankAcceptance(kinds=2, depths=3)
+    assert rates.at(0, 1, 0) == rates.at(0, 1, 1) == 0.5 and rates.at(0, 2) == rates.at(0, 7) == 0.8  # priors
+    chain = Tree.chain(4)
+    for _ in range(10):  # kind 1's copies run on whole, kind 0's first draft is rejected
+        rates.observe(chain, np.array([0, 1, 2, 3, 4]), [1, 2, 3, 4, 5], kind=1)
+        rates.observe(chain, np.array([0, 1, 2, 3, 4]), [9], kind=0)
+    assert rates.at(0, 1, 1) > 0.9 > 0.1 > rates.at(0, 1, 0)
+    assert rates.at(0, 2) > 0.9 and rates.at(0, 4) == rates.at(0, 3) > 0.9  # depths 3 and deeper share counts
+    # a merge of a kind-1 copy prices its deep nodes by the runs measured, not the first draft's rate compounded
+    part = PartProposal(Proposal(chain, np.array([0, 1, 2, 3, 4])), kind=1)
+    merged = merge([part], [rates], 14, 0.0, root=0)
+    assert merged.worth[4] > 0.75
 
 
 def test_lazy_a_model_part_that_only_agrees_with_the_copy_adds_nothing_and_sits_out():

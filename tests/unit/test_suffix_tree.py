@@ -151,6 +151,8 @@ def test_cache_memory_stays_flat_over_10000_requests():
 
 def test_the_cache_belongs_to_one_export():
     class FakeExport:  # LoadedExport.part: one object per key per instance
+        times_steps = True
+
         def __init__(self):
             self.parts = {}
 
