@@ -5,10 +5,10 @@ that is right once is usually right for a while. Measured on SmolLM2-135M's own 
 (6 prompts a set, prompt lookup's whole 14-token copies), the first draft was taken 18-47% of the
 time and each later one, given those before it were, 57-95%. So the chance a step takes its j-th
 draft is the first draft's rate times the conditional rates of depths 2..j, each measured apart
-(`ChainAcceptance`): a single per-draft rate a, compounded as a^j, priced deep drafts at a tenth
-of what they earn. The first draft's rate is kept per `kind` of proposal, which the drafter knows
-before the step: prompt lookup's matched n-gram length (a 1-gram match's copy was taken 12-28% of
-the time, a 3-gram's 58-86%).
+(`ChainAcceptance`). One per-draft rate compounded (a^j) cannot fit both: at code's first-draft
+0.46, the 8th draft would be worth 0.002 against 0.24 measured. The first draft's rate is kept
+per `kind` of proposal, which the drafter knows before the step: prompt lookup's matched n-gram
+length (a 1-gram match's copy was taken 12-28% of the time, a 3-gram's 58-86%).
 
 The chain verified is the prefix that maximizes the expected tokens per step's time
 (drafters/step_costs.py: a step's time by verify size, measured; zero drafts, a plain step,
@@ -19,9 +19,8 @@ Each rate is hits over offers (a draft is offered when all before it were taken,
 whether verified or not: a host drafter's whole candidate is walked with the committed tokens,
 the bonus too, so a plain step still says whether its first draft would have been taken), from
 a prior worth two offers (0.5 for a first draft, PRIOR_RUN for a later one), each of the last ~10
-offers weighing most. The length depends
-only on verified steps and their times, so proposals never depend on the step's own random
-draws and sampling stays exact.
+offers weighing most. The length depends only on verified steps and their times, so proposals
+never depend on the step's own random draws and sampling stays exact.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ far more than widening a wide one (SmolLM2-135M on 2 cores, ms: float32 T=1/2/3/
 17.4/22.3/23.6/31.4/36.8; int4 8.3/9.6/11.2/16.8/23.7: an int4 row costs 2-3x a float32 row in
 steps). A fixed price per row (`row_cost`) mispriced both: a first draft accepted 30% of the time
 does not pay on float32 chat, and a chain of eight does not on int4. So the host drafters (prompt
-lookup, suffix) and the fused drafter keep a step's measured seconds per verify size on their
-export (`StepCosts`) and draft the prefix of their best-first candidates that maximizes the
-expected tokens per second (`best_prefix`): zero drafts, a plain step, when none pays. The prior
-shape (`call_cost` for the first row past the root, `row_cost` per row after it) prices a size
-until it is measured, scaled from the nearest measured size.
+lookup, suffix) keep a step's measured seconds per verify size on their export (`StepCosts`) and
+verify the prefix of their best-first candidates that maximizes the expected tokens per second
+(`best_prefix`): zero drafts, a plain step, when none pays. The fused drafter prices its model
+part's rows with the same table (drafters/fused.py). The prior shape (`call_cost` for the first
+row past the root, `row_cost` per row after it) prices a size until it is measured, scaled from
+the nearest measured size.
 
 Timing decides only how many candidates are verified, never which tokens are emitted. With
 adaptation off (SPECDEPLOY_ADAPTIVE=0) or in a batched service (a row's step rides in the batch's
@@ -23,15 +24,16 @@ import math
 import time
 from collections.abc import Sequence
 
-from ..adaptive import STALL, Average, on_by_default
+from ..adaptive import MIN_SAMPLES, STALL, Average, on_by_default
 from ..errors import SpecDeployError
 
 
 class StepCosts:
     """A step's seconds by its verify size T (the verify call, verification, the drafter's own host
-    work): a running average per size measured, and for a size not measured yet the nearest measured
-    one's, scaled by the prior shape (call_cost, row_cost). A step timed over STALL x its size's
-    average (another process, a cold cache) counts as STALL x."""
+    work): a running average per size measured, and for a size not measured yet (or fewer than
+    MIN_SAMPLES times, at most) the nearest measured one's, scaled by the prior shape (call_cost,
+    row_cost). A step timed over STALL x its size's average (another process, a cold cache) counts
+    as STALL x."""
 
     def __init__(self, call_cost: float, row_cost: float) -> None:
         self.call_cost, self.row_cost = call_cost, row_cost
@@ -48,11 +50,27 @@ class StepCosts:
     def measured(self) -> bool:
         return bool(self.by_size)
 
-    def _at(self, t: int) -> float:
-        if t in self.by_size:
-            return self.by_size[t].value  # type: ignore[return-value]
-        near = min(self.by_size, key=lambda m: (abs(m - t), m))
+    def _scaled(self, t: int, sizes: list[int]) -> float | None:
+        """Size `t` priced from the nearest of `sizes` by the prior shape (None without any)."""
+        if not sizes:
+            return None
+        near = min(sizes, key=lambda m: (abs(m - t), m))
         return self.by_size[near].value * self.shape(t) / self.shape(near)  # type: ignore[operator]
+
+    def _at(self, t: int) -> float:
+        own = self.by_size.get(t)
+        if own is not None and own.count >= MIN_SAMPLES:
+            return own.value  # type: ignore[return-value]
+        # A size timed fewer times costs at most what the nearest settled size says by the prior shape: a
+        # size's first call runs cold (ONNX Runtime sets its shape up), and one such step priced T=9 at 4x a
+        # plain step on SmolLM2 int4 (1.6x when warm), so that no longer chain was drafted again to re-time it.
+        others = [m for m in self.by_size if m != t]
+        settled = [m for m in others if self.by_size[m].count >= MIN_SAMPLES]
+        scaled = self._scaled(t, settled or others)
+        if own is None or own.value is None:
+            assert scaled is not None
+            return scaled
+        return own.value if scaled is None else min(own.value, scaled)
 
     def seconds(self, t: float) -> float:
         """A step's expected seconds at a (running average, so fractional) verify size; needs `measured`."""

@@ -62,13 +62,13 @@ def test_free_rows_and_empty_steps():
 def test_measured_step_times_decide_the_length():
     # SmolLM2 float32 on 2 cores, ms: a first row costs 0.28 of a step, later rows ~0.05
     costs = StepCosts(call_cost=0.2, row_cost=0.05)
-    for t, ms in ((1, 17.4), (2, 22.3), (3, 23.6), (4, 24.3), (6, 28.0), (9, 31.4), (15, 36.8)):
+    for t, ms in ((1, 17.4), (2, 22.3), (3, 23.6), (4, 24.3), (6, 28.0), (9, 31.4), (15, 36.8)) * 3:  # settled
         costs.observe(t, ms / 1000)
     assert best_prefix([0.25, 0.06], costs) == 0  # 1.25 tokens in 1.28 steps: plain decoding is faster
     assert best_prefix([0.5, 0.25, 0.125], costs) == 3
     # int4: rows cost 2-3x more of a step; the same acceptance verifies a shorter chain
     int4 = StepCosts(0.2, 0.05)
-    for t, ms in ((1, 8.3), (2, 9.6), (3, 11.2), (4, 12.0), (6, 14.4), (9, 16.8), (15, 23.7)):
+    for t, ms in ((1, 8.3), (2, 9.6), (3, 11.2), (4, 12.0), (6, 14.4), (9, 16.8), (15, 23.7)) * 3:
         int4.observe(t, ms / 1000)
     chain = [0.8 ** j for j in range(1, 15)]
     assert (best_prefix(chain, int4), best_prefix(chain, costs)) == (4, 8)
@@ -76,6 +76,15 @@ def test_measured_step_times_decide_the_length():
     sparse = StepCosts(0.2, 0.05)
     sparse.observe(1, 0.010)
     assert abs(sparse.seconds(3) - 0.0125) < 1e-12
+    # a size timed once, cold (its first call), costs at most what the settled sizes say by the prior shape,
+    # so a chain of that length is drafted again and re-timed; settled (3 samples), it is its own average
+    for _ in range(3):
+        sparse.observe(2, 0.012)
+    sparse.observe(9, 0.040)
+    assert abs(sparse.seconds(9) - 0.012 * sparse.shape(9) / sparse.shape(2)) < 1e-12
+    for _ in range(2):
+        sparse.observe(9, 0.040)
+    assert sparse.seconds(9) == 0.040
 
 
 def test_prompt_lookup_measures_its_whole_copy_in_a_plain_step():

@@ -233,7 +233,7 @@ def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_
 def test_a_steps_time_is_measured_per_verify_size_and_scaled_by_the_prior_shape_between():
     costs = StepCosts(call_cost=0.2, row_cost=0.05)
     assert not costs.measured
-    for t, ms in ((1, 15.8), (2, 19.2), (3, 20.2), (9, 25.4), (15, 31.5)):  # SmolLM2, 2 cores
+    for t, ms in ((1, 15.8), (2, 19.2), (3, 20.2), (9, 25.4), (15, 31.5)) * 3:  # SmolLM2, 2 cores; settled
         costs.observe(t, ms)
     assert costs.seconds(2) == 19.2 and costs.seconds(2.5) == pytest.approx(19.7)  # measured, and between
     # T=5 from its nearest measured size, T=3, by the prior's shape: 20.2 x 1.35 / 1.25
