@@ -43,6 +43,9 @@ class Specdeploy:
             self.suffix_caches[method] = suffix_caches(self.export, config)
             self.outputs[method] = []
             methods[method] = {"method_params": to_dict(config)}
+            # as a service warms its methods: graphs opened and each small call size run once, so that no
+            # timed step pays a size's first run (drafters time their steps by size: step_costs.py)
+            self.export.warm_up(method)
         target = self.export.decoder("target")
         self.info = {"thread_pool": thread_pool_mode(), "graphs": "fused" if target.fused else "portable",
                      "methods": methods, **methods[self.method]}

@@ -68,7 +68,7 @@ from .base import DecodeState, Drafter, Proposal
 from .draft_length import DECAY
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupConfig
-from .step_costs import StepCosts
+from .step_costs import StepCosts, steps_timed
 from .tree_budget import PartProposal, RankAcceptance, merge, walked
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
@@ -213,7 +213,8 @@ def build(export, config: FusedConfig) -> FusedDrafter:
     if window >= config.nodes:
         raise SpecDeployError(f"method {config.method!r}: {config.method}.nodes ({config.nodes}) leaves no "
                               f"candidate beside the lookahead window's {window} rows; raise nodes")
-    return FusedDrafter(config, drafters, window, export.part(f"fused-learned:{config!r}", Learned))
+    learned = export.part(f"fused-learned:{config!r}", Learned)
+    return FusedDrafter(config, drafters, window, learned, steps_timed(export))
 
 
 def window_rows(config) -> int:
@@ -270,8 +271,11 @@ class Learned:
 class FusedDrafter(Drafter):
     deterministic = True
 
-    def __init__(self, config: FusedConfig, parts: list[Drafter], window: int = 0, learned: Learned | None = None):
-        self.config, self.parts = config, parts
+    def __init__(self, config: FusedConfig, parts: list[Drafter], window: int = 0, learned: Learned | None = None,
+                 timed: bool = True):
+        """`timed`: steps and drafting are timed (drafters/step_costs.py, step_timer); else the prior shape
+        of a step's time decides alone, and the model part drafts wherever that says its rows pay."""
+        self.config, self.parts, self.timed = config, parts, timed
         # Lazy, it decides per step whether the model part's drafts pay for their time and rows, and
         # the merge places only nodes worth their rows: the step-time policy would only add plain steps
         # where the host part copies for free (repeated requests, 12 prompts x 2 passes: medusa+suffix
@@ -397,7 +401,7 @@ class FusedDrafter(Drafter):
             model_proposal = Proposal.root_only(root)
         else:
             model_proposal = model.propose(state)
-            if self._drafted or self.model_s is None:
+            if self.timed and (self._drafted or self.model_s is None):
                 self.model_s = self._average(self.model_s, time.perf_counter() - t1)
         self._drafted = model_proposal.tree.size > 1
         self._alone = self._alone and (self._drafted or model_proposal.aux_tokens is not None)  # else keep the copy
@@ -419,7 +423,8 @@ class FusedDrafter(Drafter):
             part.update(state, proposal, verdict, target_out)
         if not self.last:  # a plain step (adaptive), not this drafter's
             return
-        self.costs.observe(proposal.size, time.perf_counter() - self._proposed_at + self._host_s)
+        if self.timed:
+            self.costs.observe(proposal.size, time.perf_counter() - self._proposed_at + self._host_s)
         committed = state.tokens[len(state.tokens) - len(verdict.path):]  # accepted drafts + the bonus
         keep = self.config.decay
         for i, placed in enumerate(self.last):

@@ -115,11 +115,16 @@ class StepTimer:
         self._start = None
 
 
+def steps_timed(export) -> bool:
+    """Whether a drafter times its steps: where the export's calls are this process's own steps (not a
+    batched service's rows) and adaptation is on; else the prior shape alone prices sizes."""
+    return bool(export.times_steps and on_by_default())
+
+
 def step_timer(export, key: str, call_cost: float, row_cost: float) -> StepTimer:
-    """A drafter's timer over its export's step costs under `key` (one per method config): timed
-    where the export's calls are this process's own steps (not a batched service's rows) and
-    adaptation is on; else the prior shape alone prices sizes."""
-    if not (export.times_steps and on_by_default()):
+    """A drafter's timer over its export's step costs under `key` (one per method config), inert
+    where steps are not timed (steps_timed)."""
+    if not steps_timed(export):
         return StepTimer(StepCosts(call_cost, row_cost), False)
     return StepTimer(export.part(f"step-costs:{key}", lambda: StepCosts(call_cost, row_cost)), True)
 

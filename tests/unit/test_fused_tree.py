@@ -424,6 +424,17 @@ def test_a_model_part_priced_out_by_one_slow_drafting_step_is_probed_and_comes_b
     assert all(drafted[wait + 2:])
 
 
+def test_untimed_steps_leave_the_step_times_and_drafting_time_unmeasured():
+    """Adaptation off or a batched service's rows (step_costs.steps_timed): the prior shape alone decides, so
+    the drafts do not depend on how long a step took, and the model part drafts wherever its rows pay by it."""
+    d = FusedDrafter(EagleSuffixConfig(nodes=6, row_cost=0.05), [Taken((-1, 0, 1), [70, 71]), Fixed((-1,), [])],
+                     timed=False)
+    s = state()
+    d.start(s)
+    assert all(_step(d, s, {70, 71}) for _ in range(6))
+    assert d.model_s is None and not d.costs.measured and d.tokens_per_second(False) is None
+
+
 def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
     d, s = fused(Fixed((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
     # the target never takes its drafts: after its first step (drafted to measure) they add nothing, not worth a
