@@ -64,12 +64,12 @@ import numpy as np
 from ..adaptive import STALL
 from ..config import positive_int, with_overrides
 from ..errors import SpecDeployError
+from .acceptance import DECAY, RankAcceptance
 from .base import DecodeState, Drafter, Proposal
-from .draft_length import DECAY
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupConfig
 from .step_costs import StepCosts, steps_timed
-from .tree_budget import PartProposal, RankAcceptance, merge, walked
+from .tree_budget import PartProposal, merge, walked
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
 _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}

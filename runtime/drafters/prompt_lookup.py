@@ -10,9 +10,9 @@ import numpy as np
 from ..config import positive_int
 from ..errors import SpecDeployError
 from ..tree import Tree
+from .acceptance import DEPTHS, RankAcceptance
 from .base import DecodeState, Drafter, Proposal
-from .draft_length import ChainAcceptance
-from .step_costs import StepTimer, cost_fields, sized_by_steps
+from .step_costs import StepTimer, best_prefix, cost_fields, sized_by_steps
 
 
 @dataclass(frozen=True)
@@ -82,33 +82,36 @@ def find_match(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tu
 
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
-    sizes_own_rows = True  # a chain only as long as its acceptance pays for its rows (draft_length.py)
+    # a chain only as long as its acceptance pays for its rows (acceptance.py, step_costs.py)
+    sizes_own_rows = True
 
     def __init__(self, k: int, max_ngram: int, min_ngram: int, timer: StepTimer | None = None):
         """`timer` None: every copied token is verified (rows are free)."""
         self.k, self.max_ngram, self.min_ngram, self.timer = k, max_ngram, min_ngram, timer
-        # the first draft's acceptance kept per matched n-gram length (a longer match is taken far more often)
-        self.length = ChainAcceptance(k, None if timer is None else timer.costs, kinds=max_ngram + 1)
         self.copied = np.zeros(0, dtype=np.int64)  # this step's whole copy, before its length was chosen
         self.matched = 0  # its n-gram's length
+        self.rate = RankAcceptance(max_ngram + 1, DEPTHS)
 
     def start(self, state: DecodeState) -> None:
-        self.length.reset()
+        # the first draft's acceptance per matched n-gram length (a longer match's copy is taken far more
+        # often), each later one's per depth: each prompt's own
+        self.rate = RankAcceptance(self.max_ngram + 1, DEPTHS)
 
     def propose(self, state: DecodeState) -> Proposal:
         if self.timer is not None:
             self.timer.proposing()
         tokens = np.asarray(state.tokens, dtype=np.int64)
         self.copied, self.matched = find_match(tokens, self.k, self.max_ngram, self.min_ngram)
-        cont = self.copied[: self.length(self.matched, len(self.copied))]
-        return Proposal(Tree.chain(len(cont)), np.concatenate([tokens[-1:], cont]))
+        n = len(self.copied)
+        if self.timer is not None and n:
+            n = best_prefix(self.rate.chain(n, self.matched), self.timer.costs)
+        return Proposal(Tree.chain(n), np.concatenate([tokens[-1:], self.copied[:n]]))
 
     def update(self, state, proposal, verdict, target_out) -> None:
         if self.timer is not None:
             self.timer.verified(proposal.size)
-        # the whole copy measured: the committed tokens (the bonus too) walked down it
-        committed = state.tokens[len(state.tokens) - len(verdict.path):]
-        measured = min(len(self.copied), len(committed))
-        taken = next((i for i in range(measured) if self.copied[i] != committed[i]), measured)
-        self.length.observe(self.matched, measured, taken)
+        if len(self.copied):  # the whole copy measured: the committed tokens (the bonus too) walked down it
+            committed = state.tokens[len(state.tokens) - len(verdict.path):]
+            whole = np.concatenate([proposal.tokens[:1], self.copied])
+            self.rate.observe(Tree.chain(len(self.copied)), whole, committed, self.matched)
         self.copied = self.copied[:0]  # a step this drafter did not propose (a batch's plain one) measures nothing

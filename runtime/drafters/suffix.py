@@ -9,7 +9,8 @@ probability, within `max_nodes`. Of the two trees' proposals
 the one continuing the longer match wins (then the higher expected acceptance). Of that
 tree only the best nodes are verified, as many as maximize the expected tokens per second
 (drafters/step_costs.py: a step's measured time by verify size; a node's worth is its chance of
-being on the target's path, drafters/tree_budget.py, from the acceptance measured in this request:
+being on the target's path, drafters/tree_budget.py, from the acceptance measured in this request
+(drafters/acceptance.py):
 the root's children per match length, deeper nodes per depth, since acceptance comes in runs): a
 frequent continuation that this answer does not follow costs rows, not only misses. Drafts are
 deterministic and sized by verified steps and their times only, verified like prompt lookup's
@@ -35,11 +36,11 @@ import numpy as np
 from ..config import positive_int
 from ..errors import SpecDeployError
 from ..tree import Tree
+from .acceptance import DEPTHS, RankAcceptance
 from .base import DecodeState, Drafter, Proposal
-from .draft_length import DEPTHS
 from .step_costs import StepTimer, best_prefix, cost_fields, sized_by_steps
 from .suffix_tree import SuffixCache, SuffixTree
-from .tree_budget import PartProposal, RankAcceptance, merge
+from .tree_budget import PartProposal, merge
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 A node is worth the chance that the target's path runs through it: its parent's worth times its
 drafter's measured chance that a child of its rank (its place among its siblings, likeliest first)
-is the target's next token where the parent is (`RankAcceptance`, measured in this request on the
-drafter's own proposals, as drafters/draft_length.py measures a chain's acceptance), and at most
-what the parent's earlier-placed children left of it: the paths are exclusive, so beside a
+is the target's next token where the parent is (`RankAcceptance`, drafters/acceptance.py, measured
+in this request on the drafter's own proposals), and at most what the parent's earlier-placed
+children left of it: the paths are exclusive, so beside a
 confident sibling (another drafter's copy) a guess is worth only the sibling's miss rate. Nodes go
 in best first while worth at least `row_cost` (a verify row's cost in decode steps) and the budget
 lasts; a candidate two drafters propose is one node. Suffix decoding merges its one tree with
@@ -20,59 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..tree import Tree
+from .acceptance import RankAcceptance
 from .base import Proposal
-from .draft_length import DECAY, PRIOR_RATE, PRIOR_RUN, PRIOR_WEIGHT
-
-RANKS = 4  # siblings of rank 3 and later share one estimate
-
-
-class RankAcceptance:
-    """A drafter's chance that its child of rank r is on the target's path where the parent is.
-
-    Counted on every node of its proposal the committed tokens walked through that has children: each
-    child's rank was offered once, the one the target took (if any) hit; decayed per step as a chain's
-    rates are (drafters/draft_length.py). Before any step (the prior): PRIOR_RATE^(1 + r), a chain's
-    geometric guess for a sibling list whose first is likeliest; measured, a bushy tree's later ranks
-    are worth what they are taken, not what the first one is.
-
-    With `kinds` and `depths` (suffix decoding) the root's children are counted per kind of proposal
-    (how long a context match it continues) and deeper nodes per depth (2, ..., `depths` and deeper),
-    as a chain's are: acceptance comes in runs, so a node below a taken one is taken far more often than
-    the root's (prior PRIOR_RUN x PRIOR_RATE^r there). A step decays its kind's and the deeper levels'
-    counts. One level (the default) is a fused method's per-part count."""
-
-    def __init__(self, kinds: int = 1, depths: int = 1):
-        self.kinds, self.depths = kinds, depths
-        first = [PRIOR_RATE ** (1 + r) for r in range(RANKS)]
-        deeper = [PRIOR_RUN * PRIOR_RATE ** r for r in range(RANKS)]
-        self.hits = [[p * PRIOR_WEIGHT for p in first] for _ in range(kinds)] + \
-            [[p * PRIOR_WEIGHT for p in deeper] for _ in range(depths - 1)]
-        self.offered = [[PRIOR_WEIGHT] * RANKS for _ in range(kinds + depths - 1)]
-
-    def _level(self, depth: int, kind: int) -> int:
-        """The counts of a node at `depth` (1: the root's children) of a proposal of `kind`."""
-        return kind if depth <= 1 or self.depths == 1 else self.kinds + min(depth, self.depths) - 2
-
-    def at(self, rank: int, depth: int = 1, kind: int = 0) -> float:
-        level, r = self._level(depth, kind), min(rank, RANKS - 1)
-        return self.hits[level][r] / self.offered[level][r]
-
-    def observe(self, tree: Tree, tokens: np.ndarray, committed: Sequence[int], kind: int = 0) -> None:
-        """One verified step of a proposal (`tree`, `tokens`) of `kind` and the tokens committed after its root."""
-        for level in [kind] + list(range(self.kinds, self.kinds + self.depths - 1)):
-            self.hits[level] = [DECAY * h for h in self.hits[level]]
-            self.offered[level] = [DECAY * o for o in self.offered[level]]
-        node, depth = 0, 1
-        for tok in committed:
-            kids = tree.children[node]
-            hits, offered = self.hits[self._level(depth, kind)], self.offered[self._level(depth, kind)]
-            for r in range(len(kids)):
-                offered[min(r, RANKS - 1)] += 1.0
-            rank = next((r for r, c in enumerate(kids) if tokens[c] == tok), -1)
-            if rank < 0:
-                break
-            hits[min(rank, RANKS - 1)] += 1.0
-            node, depth = kids[rank], depth + 1
 
 
 class MergedTree:

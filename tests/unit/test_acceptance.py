@@ -1,4 +1,4 @@
-"""Draft length from acceptance and a step's time by verify size (runtime/drafters/draft_length.py,
+"""Draft length from acceptance and a step's time by verify size (runtime/drafters/acceptance.py,
 step_costs.py): long chains while drafts are accepted, none when they do not pay for the rows, every
 draft when rows are free."""
 
@@ -6,57 +6,65 @@ from __future__ import annotations
 
 import numpy as np
 
+from specdeploy.runtime.drafters.acceptance import DEPTHS, RankAcceptance
 from specdeploy.runtime.drafters.base import DecodeState
-from specdeploy.runtime.drafters.draft_length import ChainAcceptance
 from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
 from specdeploy.runtime.drafters.step_costs import StepCosts, StepTimer, best_prefix
 from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.tree import Tree
 from specdeploy.runtime.verify import Verdict
 
 
+def observe(rate: RankAcceptance, kind: int, drafts: int, taken: int) -> None:
+    """A chain of `drafts` (tokens 100...) of `kind` whose first `taken` the target took (then 99)."""
+    tokens = np.arange(99, 100 + drafts)
+    rate.observe(Tree.chain(drafts), tokens, [int(t) for t in tokens[1 : taken + 1]] + [99], kind)
+
+
+def length(rate: RankAcceptance, costs: StepCosts, kind: int = 0, available: int = 14) -> int:
+    return best_prefix(rate.chain(available, kind), costs)
+
+
 def test_length_follows_acceptance_and_the_prior_shape():
-    length = ChainAcceptance(most=14, costs=StepCosts(call_cost=0.2, row_cost=0.05))
+    rate, costs = RankAcceptance(1, DEPTHS), StepCosts(call_cost=0.2, row_cost=0.05)
     # the prior: a first draft taken half the time, each later one 0.8 of the time after it: 8 drafts, 2.4
     # tokens in 1.55 steps' time
-    assert length() == 8
+    assert length(rate, costs) == 8
     for _ in range(20):  # every first draft rejected: not even one pays for the first row
-        length.observe(0, 14, 0)
-    assert length() == 0
+        observe(rate, 0, 14, 0)
+    assert length(rate, costs) == 0
     for _ in range(30):  # every draft taken: the rates -> 1
-        length.observe(0, 14, 14)
-    assert length() == 14
-    assert length(available=5) == 5
-    length.reset()
-    assert length() == 8
+        observe(rate, 0, 14, 14)
+    assert length(rate, costs) == 14
+    assert length(rate, costs, available=5) == 5
 
 
 def test_first_drafts_are_measured_per_kind_and_later_ones_given_those_before():
-    length = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05), kinds=4)
+    rate, costs = RankAcceptance(4, DEPTHS), StepCosts(0.2, 0.05)
     for _ in range(20):  # 1-gram matches' copies are rejected at once, 3-gram matches' run on
-        length.observe(1, 14, 0)
-        length.observe(3, 14, 14)
-    assert length(1) == 0 and length(3) == 14
-    # a copy taken in one step of five, and then whole (a run): every draft is worth the first's 0.2, and 14 of
-    # them 2.8 tokens for 0.85 of a step's time
-    runs = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05))
+        observe(rate, 1, 14, 0)
+        observe(rate, 3, 14, 14)
+    assert length(rate, costs, 1) == 0 and length(rate, costs, 3) == 14
+    # a copy taken in one step of five, and then whole (a run): every draft is worth about the first's 0.2,
+    # and 14 of them 2.8 tokens for 0.85 of a step's time
+    runs = RankAcceptance(1, DEPTHS)
     for i in range(40):
-        runs.observe(0, 14, 14 if i % 5 == 4 else 0)
-    assert all(0.15 < w < 0.3 for w in runs.worths(0, 14)) and runs() == 14
+        observe(runs, 0, 14, 14 if i % 5 == 4 else 0)
+    assert all(0.12 < w < 0.3 for w in runs.chain(14)) and length(runs, costs) == 14
     # taken in one step of ten, and then only one more: not worth the first row
-    short = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05))
+    short = RankAcceptance(1, DEPTHS)
     for i in range(40):
-        short.observe(0, 14, 2 if i % 10 == 4 else 0)
-    assert short() == 0
+        observe(short, 0, 14, 2 if i % 10 == 4 else 0)
+    assert length(short, costs) == 0
 
 
-def test_free_rows_and_empty_steps():
-    free = ChainAcceptance(most=9, costs=None)
-    free.observe(0, 9, 0)
-    assert free() == 9
-    length = ChainAcceptance(most=14, costs=StepCosts(0.2, 0.05))
-    before = length.worths(0, 14)
-    length.observe(0, 0, 0)  # nothing measured: no evidence
-    assert length.worths(0, 14) == before
+def test_a_tree_walk_counts_every_sibling_offered_and_the_one_taken():
+    rate = RankAcceptance(1, DEPTHS)
+    before = rate.at(1)
+    # root -> 10 (rank 0), 11 (rank 1); the target takes 11, then 12 below it
+    rate.observe(Tree((-1, 0, 0, 2)), np.array([5, 10, 11, 12]), [11, 12, 7])
+    assert rate.at(0) < 0.5 and rate.at(1) > before  # rank 0 offered and missed, rank 1 taken
+    assert rate.at(0, depth=2) > 0.8  # below the taken node, its only child taken
 
 
 def test_measured_step_times_decide_the_length():
@@ -95,7 +103,8 @@ def test_prompt_lookup_measures_its_whole_copy_in_a_plain_step():
     costs = StepCosts(0.2, 0.05)
     drafter = PromptLookupDrafter(14, 3, 1, StepTimer(costs, timed=False))
     drafter.start(state)
-    drafter.length.first[3].hits = 0.1  # a request whose 3-gram matches' copies were rejected
+    for _ in range(20):  # a request whose 3-gram matches' copies were rejected
+        observe(drafter.rate, 3, 14, 0)
     proposal = drafter.propose(state)
     assert proposal.size == 1 and len(drafter.copied) == 14  # the copy was found, not verified
     for _ in range(6):  # the target follows the copy, one token per plain step
@@ -104,3 +113,19 @@ def test_prompt_lookup_measures_its_whole_copy_in_a_plain_step():
         drafter.update(state, proposal, Verdict([0], nxt), None)
         proposal = drafter.propose(state)
     assert proposal.size > 1
+
+
+def test_free_rows_verify_the_whole_copy_and_a_step_without_one_measures_nothing():
+    text = list(range(20, 32))
+    state = DecodeState(text * 2 + text[:3], SamplingParams(), np.random.default_rng(0))
+    free = PromptLookupDrafter(9, 3, 1, None)  # no timer: rows are free (a GPU)
+    free.start(state)
+    for _ in range(20):
+        observe(free.rate, 3, 9, 0)
+    assert free.propose(state).size == 10
+    lone = DecodeState([1, 2, 3], SamplingParams(), np.random.default_rng(0))  # nothing to copy
+    before = free.rate.chain(9, 3)
+    proposal = free.propose(lone)
+    lone.tokens.append(4)
+    free.update(lone, proposal, Verdict([0], 4), None)
+    assert proposal.size == 1 and free.rate.chain(9, 3) == before
