@@ -16,7 +16,7 @@ from .decoder import StepOutput
 from .drafters.base import DecodeState, Drafter, Proposal
 from .errors import SpecDeployError
 from .loaded_export import LoadedExport
-from .methods import build_drafter
+from .methods import build_drafter, resolve_method
 from .sampling import PositionNoise, SamplingParams, fresh_seed
 from .tokenizer import IncrementalDecoder
 from .verify import Verdict, verify
@@ -74,6 +74,7 @@ class Generation:
                  adaptive: bool | None = None):
         self.params = params or SamplingParams()
         validate_request(export, list(prompt_ids), max_new_tokens)
+        method = resolve_method(method, export.methods)  # `auto`: the export's recommended method
         self.export, self.method, self.max_new = export, method, max_new_tokens
         config = export.method_config(method, method_overrides)
         self.drafter = drafter or build_drafter(export, config)

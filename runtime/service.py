@@ -24,6 +24,7 @@ from typing import Any
 from .errors import SpecDeployError
 from .generate import Generation, GenerationResult, TokenEvent, validate_request
 from .loaded_export import LoadedExport
+from .methods import AUTO, resolve_method
 from .pool import BusyError, ExportPool, Ticket
 from .sampling import SamplingParams
 
@@ -40,6 +41,7 @@ class Service:
         self.meta = pool.exports[0]  # read-only use: manifest, tokenizer, method configs (identical in all)
         self.unavailable = dict(unavailable or {})
         self.methods = [m for m in self.meta.methods if m not in self.unavailable]
+        default_method = resolve_method(default_method, self.methods)
         if default_method not in self.methods:
             raise SpecDeployError(self.method_message(default_method))
         self.default_method = default_method
@@ -59,6 +61,8 @@ class Service:
         default the CPU backend sizes it so that its workers plus one calling thread per
         instance fill the cores (ignored under use_shared_threads, the process-wide pool).
         `warmup` opens every method's graphs now rather than in the first requests.
+        `method`: what a request that names none runs; None or "auto": the export's recommended
+        method among those it serves (runtime/methods.py, RECOMMENDED), as a request naming "auto".
         """
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise SpecDeployError(f"pool size must be an integer >= 1, got {pool_size!r}")
@@ -89,10 +93,7 @@ class Service:
                     except SpecDeployError as exc:  # serve the other methods; say why this one is missing
                         unavailable[name] = str(exc)
                         log.warning("method %r is not available: %s", name, exc)
-        if method is None:
-            method = "ar" if "ar" in first.methods and "ar" not in unavailable else next(
-                (m for m in first.methods if m not in unavailable), "ar")
-        return cls(pool_type(exports, queue_size, queue_timeout), method, unavailable)
+        return cls(pool_type(exports, queue_size, queue_timeout), AUTO if method is None else method, unavailable)
 
     # -- introspection ------------------------------------------------------------
     @property
@@ -126,7 +127,7 @@ class Service:
         ids = self.tokenizer.encode(prompt) if prompt is not None else list(prompt_ids or ())
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise SpecDeployError("prompt_ids must be integers")
-        method = self.default_method if method is None else method
+        method = self.resolve(method)
         if method not in self.methods:
             raise SpecDeployError(self.method_message(method))
         params = SamplingParams(temperature, top_k, top_p, seed, sampling)
@@ -147,6 +148,10 @@ class Service:
     def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> GenerationResult:
         with self.stream(prompt, prompt_ids, **options) as req:
             return req.result()
+
+    def resolve(self, method: str | None) -> str:
+        """The method a request naming `method` runs: the default for None, the recommended one for "auto"."""
+        return self.default_method if method is None else resolve_method(method, self.methods)
 
     def method_message(self, method: str) -> str:
         """Why `method` cannot be used here (for error messages)."""

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from ..runtime.aio import AsyncRequest
 from ..runtime.chat_template import ChatTemplate, ChatTemplateError, encode_rendered
 from ..runtime.errors import SpecDeployError
+from ..runtime.methods import AUTO
 from ..runtime.pool import BusyError
 from .admission import Admission, Admitted
 from .chat import message_dicts
@@ -197,7 +198,7 @@ class Server:
     def options(self, body, prompt_ids: list[int], max_tokens: int | None, default_max: int | None,
                 prompt_param: str, tokens_param: str) -> dict:
         svc = self.service
-        method = body.method if body.method is not None else svc.default_method
+        method = svc.resolve(body.method)
         if method not in svc.methods:
             raise bad_request(svc.method_message(method), "method", "unknown_method")
         if not prompt_ids:
@@ -393,7 +394,7 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
         if "prompt" in fields:
             vocab = server.service.meta.manifest.models["target"].vocab_size
             fields["prompt"]["anyOf"][1]["items"]["maximum"] = vocab - 1
-        fields["method"] = {"anyOf": [{"type": "string", "enum": list(server.service.methods)}, {"type": "null"}]}
+        fields["method"] = {"anyOf": [{"type": "string", "enum": [AUTO, *server.service.methods]}, {"type": "null"}]}
         if server.limits.max_tokens is not None:
             for name in ("max_tokens", "max_completion_tokens"):
                 if name in fields:

@@ -130,7 +130,8 @@ def _serve(args, sock, limits, api_key, origins) -> int:
 def add_serve_arguments(s) -> None:
     """The `serve` subcommand's options (cli.py builds the parser)."""
     s.add_argument("out", type=Path, help="export directory")
-    s.add_argument("--method", help="default method (a request may choose another with 'method'); default ar")
+    s.add_argument("--method", help="default method (a request may choose another with 'method'); default auto: "
+                   "the export's recommended one, draft+prompt-lookup where it has a draft model")
     s.add_argument("--host", default="127.0.0.1", help="bind address; beyond loopback, set --api-key")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--pool-size", type=int, default=1, help="concurrent requests (one export instance each)")

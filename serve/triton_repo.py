@@ -71,6 +71,7 @@ def write_repo(export_dir: str | Path, repo: str | Path, *, name: str | None = N
     more than the workers in all (the default) gain nothing.
     """
     from ..runtime.manifest import load_manifest
+    from ..runtime.methods import AUTO
 
     export_dir = Path(export_dir).resolve()
     manifest = load_manifest(export_dir, verify_checksums=False)  # a bad export fails here, not in the server
@@ -80,7 +81,7 @@ def write_repo(export_dir: str | Path, repo: str | Path, *, name: str | None = N
     for value, what in ((instances, "instances"), (pool_size, "pool size")):
         if value < 1:
             raise SpecDeployError(f"{what} must be >= 1, got {value}")
-    if method is not None and method not in manifest.methods:
+    if method not in (None, AUTO) and method not in manifest.methods:
         raise SpecDeployError(f"method {method!r} is not in this export (available: {', '.join(manifest.methods)})")
     if python_env == "current":
         python_env = current_env()

@@ -24,6 +24,16 @@ def test_generate_json_last_line(micro_export, method):
     assert result["stats"]["acceptance_length"] == 12 / result["stats"]["target_calls"]
 
 
+def test_generate_runs_the_exports_recommended_method_by_default(micro_export):
+    """No --method: `auto`, the export's recommended method (draft+prompt-lookup with a draft model), whose greedy
+    tokens are ar's."""
+    args = ("--prompt", "def f(x):\n    return x\n\n\ndef f(x):", "--max-new-tokens", "16", "--ignore-eos", "--json")
+    auto = json.loads(run_cli("generate", micro_export, *args).stdout.splitlines()[-1])
+    ar = json.loads(run_cli("generate", micro_export, "--method", "ar", *args).stdout.splitlines()[-1])
+    assert auto["stats"]["method"] == "draft+prompt-lookup" and ar["stats"]["method"] == "ar"
+    assert auto["token_ids"] == ar["token_ids"]
+
+
 def test_generate_prompt_ids_equals_prompt_text(micro_export):
     from specdeploy.runtime.tokenizer import TextTokenizer
 

@@ -121,6 +121,7 @@ def stop_inside(text: str) -> str:
     ("ar", "Once upon a time", False),
     ("draft", "def main():\n    ", False),
     ("prompt-lookup", "Once upon a time", True),
+    ("auto", "def main():\n    ", False),  # the export's recommended method, on both sides
 ])
 def test_greedy_completion_equals_cli(server, client, chat_export, method, prompt, with_stop):
     args = ["--method", method, "--prompt", prompt, "--max-new-tokens", "40"]

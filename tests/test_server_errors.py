@@ -21,7 +21,8 @@ FIRST_BAD_POSITION = 10  # the broken export decodes positions 3..9 (7 tokens), 
 def broken_server(micro_export, tmp_path_factory):
     export = clone_export(micro_export, tmp_path_factory.mktemp("broken") / "broken")
     break_decode_graphs(export, FIRST_BAD_POSITION)
-    with ServerProcess(export, "--pool-size", "1", "--queue", "4", "--log-level", "info") as srv:
+    # ar: the broken graphs are the one-token ones, which a speculative default would call only in plain steps
+    with ServerProcess(export, "--method", "ar", "--pool-size", "1", "--queue", "4", "--log-level", "info") as srv:
         yield srv
 
 

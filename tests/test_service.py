@@ -39,6 +39,18 @@ def test_generate_equals_a_plain_generation(export_dir):
     assert svc.pool.in_use == 0
 
 
+def test_the_default_method_is_the_exports_recommended_one(export_dir):
+    """Service.load without a method serves `auto`: draft+prompt-lookup on an export with a draft model; a request
+    may name "auto" too. Lossless either way: ar's greedy tokens."""
+    svc = Service.load(export_dir, pool_size=1)
+    assert svc.default_method == "draft+prompt-lookup" and svc.status()["default_method"] == "draft+prompt-lookup"
+    ar = svc.generate("def main():", method="ar", max_new_tokens=24, ignore_eos=True)
+    for method in (None, "auto"):
+        got = svc.generate("def main():", method=method, max_new_tokens=24, ignore_eos=True)
+        assert got.stats["method"] == "draft+prompt-lookup" and got.token_ids == ar.token_ids
+    assert Service.load(export_dir, pool_size=1, method="suffix").default_method == "suffix"
+
+
 def test_threads_share_one_service(export_dir):
     svc = Service.load(export_dir, pool_size=2, queue_size=16)
     jobs = [dict(prompt=p, method=m, temperature=t, seed=s, max_new_tokens=30, ignore_eos=True)
@@ -139,7 +151,7 @@ def test_a_failing_generation_is_an_error_not_a_cancellation(export_dir, tmp_pat
 
     broken = clone_export(export_dir, tmp_path / "broken")
     break_decode_graphs(broken, 10)  # ONNX Runtime fails from position 10 on
-    svc = Service.load(broken, pool_size=1, queue_size=0)
+    svc = Service.load(broken, pool_size=1, queue_size=0, method="ar")  # ar calls the broken one-token graphs
     assert len(svc.generate(prompt_ids=[5, 6, 7, 8], max_new_tokens=3).token_ids) == 3
     req = svc.request(prompt_ids=[5, 6, 7, 8], max_new_tokens=40)
     with pytest.raises(Exception, match="out of data bounds"):

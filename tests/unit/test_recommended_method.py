@@ -1,0 +1,19 @@
+"""`auto`: the method an export runs when none is named (runtime/methods.py, RECOMMENDED)."""
+
+from __future__ import annotations
+
+from specdeploy.runtime.methods import AUTO, RECOMMENDED, known_methods, recommended_method, resolve_method
+
+
+def test_auto_picks_the_first_recommended_method_an_export_serves():
+    assert recommended_method(["ar", "draft", "suffix", "draft+suffix", "draft+prompt-lookup"]) == "draft+prompt-lookup"
+    assert recommended_method(["ar", "eagle", "eagle+suffix", "eagle+prompt-lookup", "medusa+prompt-lookup"]) \
+        == "eagle+prompt-lookup"
+    assert recommended_method(["ar", "prompt-lookup", "lookahead", "suffix"]) == "prompt-lookup"
+    # none carries anything across requests (suffix decoding's cache of earlier outputs does)
+    assert not any("suffix" in m for m in RECOMMENDED)
+    assert recommended_method(["ar"]) == "ar"
+    assert recommended_method(["medusa"]) == "medusa"  # none recommended is served: what is
+    assert resolve_method(AUTO, ["ar", "suffix"]) == "ar"
+    assert resolve_method("lookahead", ["ar", "suffix"]) == "lookahead"  # a named method is never replaced
+    assert set(RECOMMENDED) <= set(known_methods()) and AUTO not in known_methods()
