@@ -425,8 +425,8 @@ def test_a_model_part_priced_out_by_one_slow_drafting_step_is_probed_and_comes_b
 
 
 def test_untimed_steps_leave_the_step_times_and_drafting_time_unmeasured():
-    """Adaptation off or a batched service's rows (step_costs.steps_timed): the prior shape alone decides, so
-    the drafts do not depend on how long a step took, and the model part drafts wherever its rows pay by it."""
+    """Adaptation off: the prior shape alone decides, so the drafts do not depend on how long a step took, and
+    the model part drafts wherever its rows pay by it."""
     d = FusedDrafter(EagleSuffixConfig(nodes=6, row_cost=0.05), [Taken((-1, 0, 1), [70, 71]), Fixed((-1,), [])],
                      timed=False)
     s = state()
