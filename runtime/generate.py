@@ -74,7 +74,7 @@ class Generation:
                  adaptive: bool | None = None):
         self.params = params or SamplingParams()
         validate_request(export, list(prompt_ids), max_new_tokens)
-        method = resolve_method(method, export.methods)  # `auto`: the export's recommended method
+        method = resolve_method(method, export)  # `auto`: the export's recommended method
         self.export, self.method, self.max_new = export, method, max_new_tokens
         config = export.method_config(method, method_overrides)
         self.drafter = drafter or build_drafter(export, config)

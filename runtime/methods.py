@@ -35,24 +35,37 @@ AUTO = "auto"
 # on chat and code (1.53x, 2.30x) and behind it on grounded text (2.05x). Prompt lookup, not suffix, because
 # suffix decoding's cache of earlier requests' outputs is shared by a service's requests, and the speed it
 # gives one request could tell a client what another was answered (README, Serving): a default must not
-# carry anything across requests. Without a draft model the trained heads fused with prompt lookup, each
-# drafting only where it measurably pays; without either, prompt lookup alone, which copies for free on the
-# host and verifies only what pays for its rows.
+# carry anything across requests. Without a draft model the trained heads fused with prompt lookup (on
+# float32 in BENCHMARKS.md: eagle+prompt-lookup 0.98x / 2.89x / 1.56x against prompt lookup's 0.87x /
+# 2.53x / 1.51x on chat / code / grounded); without either, prompt lookup alone, which copies for free on
+# the host and verifies only what pays for its rows.
 RECOMMENDED = ("draft+prompt-lookup", "eagle+prompt-lookup", "medusa+prompt-lookup", "prompt-lookup", "ar")
+# A quantized target's step is cheap beside a draft model's or a head's calls, and prompt lookup alone beat
+# every fused method there (SmolLM2, 4-6 prompts x 96 tokens a set against ar: int8 target, int4 self-draft:
+# prompt lookup 0.98x / 1.42x / 1.27x on chat / code / grounded, draft+prompt-lookup 0.91x / 1.17x / 1.08x,
+# eagle+prompt-lookup 0.92x / 1.17x / 1.02x; int4: prompt lookup 1.24x / 1.46x / 1.54x, eagle+prompt-lookup
+# 1.06x / 1.15x / 1.33x, medusa+prompt-lookup 1.01x / 1.13x / 1.25x).
+RECOMMENDED_QUANTIZED = ("prompt-lookup", "ar")
 
 
 def known_methods() -> list[str]:
     return list(REGISTRY)
 
 
-def recommended_method(available) -> str:
-    """The method `auto` stands for among `available` (an export's or a service's methods)."""
-    return next((m for m in RECOMMENDED if m in available), next(iter(available), "ar"))
+def recommended_method(available, quantized: bool = False) -> str:
+    """The method `auto` stands for among `available` (an export's or a service's methods), for a float
+    or a `quantized` target."""
+    order = RECOMMENDED_QUANTIZED if quantized else RECOMMENDED
+    return next((m for m in order if m in available), next(iter(available), "ar"))
 
 
-def resolve_method(method: str, available) -> str:
-    """`method`, with `auto` replaced by the recommended one of `available`."""
-    return recommended_method(available) if method == AUTO else method
+def resolve_method(method: str, export, available=None) -> str:
+    """`method`, with `auto` replaced by the recommended one of `available` (default: the loaded
+    `export`'s methods) for its target's weights."""
+    if method != AUTO:
+        return method
+    quantized = export.manifest.weight_scheme("target") is not None
+    return recommended_method(export.methods if available is None else available, quantized)
 
 
 def method_spec(name: str) -> MethodSpec:

@@ -41,7 +41,7 @@ class Service:
         self.meta = pool.exports[0]  # read-only use: manifest, tokenizer, method configs (identical in all)
         self.unavailable = dict(unavailable or {})
         self.methods = [m for m in self.meta.methods if m not in self.unavailable]
-        default_method = resolve_method(default_method, self.methods)
+        default_method = resolve_method(default_method, self.meta, self.methods)
         if default_method not in self.methods:
             raise SpecDeployError(self.method_message(default_method))
         self.default_method = default_method
@@ -151,7 +151,7 @@ class Service:
 
     def resolve(self, method: str | None) -> str:
         """The method a request naming `method` runs: the default for None, the recommended one for "auto"."""
-        return self.default_method if method is None else resolve_method(method, self.methods)
+        return self.default_method if method is None else resolve_method(method, self.meta, self.methods)
 
     def method_message(self, method: str) -> str:
         """Why `method` cannot be used here (for error messages)."""

@@ -136,6 +136,21 @@ def test_every_method_equals_the_quantized_targets_ar(quantized):
     assert not _methods_differing_from_ar(export, methods)
 
 
+def test_auto_runs_prompt_lookup_on_a_quantized_target(quantized):
+    """A quantized target's default method is prompt lookup alone (runtime/methods.py: the fused methods
+    measured slower than it there), though the export serves the draft and heads too."""
+    from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    _, out, _ = quantized
+    export = LoadedExport(out)
+    assert "draft+prompt-lookup" in export.methods
+    ids = export.tokenizer.encode("def main():")
+    auto = Generation(export, ids, method="auto", max_new_tokens=16, ignore_eos=True).result()
+    ar = Generation(export, ids, method="ar", max_new_tokens=16, ignore_eos=True).result()
+    assert auto.stats["method"] == "prompt-lookup" and auto.token_ids == ar.token_ids
+
+
 def test_rows_are_identical_from_any_call_size(quantized):
     """Every call size gives bit-identical rows, one-row calls included: what keeps every method
     equal to ar. A quantized target (block 32) runs one-row calls, its attentions padded by a row

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from specdeploy.runtime.methods import AUTO, RECOMMENDED, known_methods, recommended_method, resolve_method
+from specdeploy.runtime.methods import (
+    RECOMMENDED,
+    RECOMMENDED_QUANTIZED,
+    known_methods,
+    recommended_method,
+)
 
 
 def test_auto_picks_the_first_recommended_method_an_export_serves():
@@ -14,6 +19,8 @@ def test_auto_picks_the_first_recommended_method_an_export_serves():
     assert not any("suffix" in m for m in RECOMMENDED)
     assert recommended_method(["ar"]) == "ar"
     assert recommended_method(["medusa"]) == "medusa"  # none recommended is served: what is
-    assert resolve_method(AUTO, ["ar", "suffix"]) == "ar"
-    assert resolve_method("lookahead", ["ar", "suffix"]) == "lookahead"  # a named method is never replaced
-    assert set(RECOMMENDED) <= set(known_methods()) and AUTO not in known_methods()
+    assert recommended_method(["ar", "suffix"]) == "ar"
+    # a quantized target: prompt lookup alone, whatever else it serves
+    assert recommended_method(["ar", "draft+prompt-lookup", "eagle+prompt-lookup", "prompt-lookup"], True) \
+        == "prompt-lookup"
+    assert set(RECOMMENDED) | set(RECOMMENDED_QUANTIZED) <= set(known_methods()) and "auto" not in known_methods()
