@@ -32,7 +32,8 @@ which tokens are emitted.
 
 Which nodes go in is one rule for every pair (drafters/tree_budget.py): a node is worth the
 chance that the target's path runs through it, and goes in, best first, while that is at least
-`row_cost` and the budget lasts. Each part's acceptance per sibling rank is measured in this
+a verify row's cost (`row_threshold`: measured on the export, `row_cost` until then) and the
+budget lasts. Each part's acceptance per sibling rank is measured in this
 request on its own full proposal (the committed tokens walked down it), so a part's child is worth
 its merged parent's worth times that acceptance, at most what the parent's earlier-placed children
 left: beside a confident copy a head's different guess is worth only the copy's miss rate. A part
@@ -74,7 +75,8 @@ from .tree_budget import PartProposal, merge, walked
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
 _SIZE_KEYS = {"eagle": "total_tokens", "suffix": "max_nodes", "prompt-lookup": "k"}
 # A verify row's cost in steps past the first (SmolLM2 on 2 cores, T=4/9/15 1.1/1.4/1.7x T=1), prompt
-# lookup's prior per row (drafters/step_costs.py). Here a merged node's worth must reach it: a threshold,
+# lookup's prior per row (drafters/step_costs.py), until the export's step times are measured
+# (FusedDrafter.row_threshold). Here a merged node's worth must reach it: a threshold,
 # looser than the tokens-per-second prefix the host drafters verify alone, which measured 2-8% slower here
 # (the model part's drafts are paid for before the merge; SmolLM2, 6 prompts a set, ABBA in 2 processes).
 ROW_COST = PromptLookupConfig.row_cost
@@ -96,9 +98,9 @@ class FusedConfig:
     # prompt-lookup, lookahead and suffix already use, so every export has it)
     nodes: int = 14
     prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
-    # a verify row's cost in decode steps: a node goes in while the chance the target's path runs through
-    # it is at least this (0: fill the budget, rows are free, e.g. a GPU); with call_cost, the shape of a
-    # step's time by verify size until the sizes are measured (StepCosts)
+    # a verify row's cost in decode steps until the export's step times are measured (then theirs): a node
+    # goes in while the chance the target's path runs through it is at least this (0: fill the budget, rows
+    # are free, e.g. a GPU); with call_cost, the shape of a step's time by verify size until then (StepCosts)
     row_cost: float = ROW_COST
     # what a call of more than one row costs over a plain step besides its rows, in decode steps (SmolLM2
     # float32, 2 cores, past 300: T=1/2/3/9/15 calls 15.8/19.2/20.2/25.4/31.5 ms, so 0.2 and then ~0.05 a
@@ -323,6 +325,17 @@ class FusedDrafter(Drafter):
         self._host_s, self._proposed_at, self._drafted, self._alone = 0.0, 0.0, False, False
         self._sat_out, self._probe_wait, self._probing = 0, PROBE_AFTER[0], 0  # steps; the wait; probe steps left
 
+    def row_threshold(self) -> float:
+        """A merged node's least worth: a verify row's cost in plain steps, the export's measured slope of a
+        step's time from 2 rows to the full budget once sizes are measured (StepCosts), `row_cost` before
+        (0: rows are free). A fixed 0.05 fits float32 (SmolLM2: 0.06 measured) but not a quantized target,
+        whose rows cost 0.1-0.2 of its cheap step: there the merge verified wider calls for no more tokens
+        than prompt lookup alone (int4 eagle+prompt-lookup, code: 15.3 ms of verify a step against 12.5)."""
+        if not self.config.row_cost or not self.costs.measured:
+            return self.config.row_cost
+        top = self.config.nodes + 1
+        return max(0.0, (self.costs.relative(top) - self.costs.relative(2)) / (top - 2))
+
     def _average(self, old: float | None, new: float) -> float:
         """The running drafting time: a sample over STALL x the average counts as STALL x (a stall), and one
         under 1/STALL x restarts it (the average held a stall: a request's first, cold drafting step)."""
@@ -415,7 +428,7 @@ class FusedDrafter(Drafter):
         budget = self.config.nodes - (0 if model_proposal.aux_tokens is None else len(model_proposal.aux_tokens))
         # a copy left out is still measured on its whole proposal (update): the target's tokens are the same
         merged = merge([placed[0], PartProposal(Proposal.root_only(root))] if self._alone else placed, self.rates,
-                       budget, self.config.row_cost, root)
+                       budget, self.row_threshold(), root)
         proposal = with_aux(merged.proposal(), model_proposal)
         self._proposed_at = time.perf_counter()
         return proposal

@@ -435,6 +435,19 @@ def test_untimed_steps_leave_the_step_times_and_drafting_time_unmeasured():
     assert d.model_s is None and not d.costs.measured and d.tokens_per_second(False) is None
 
 
+def test_the_merge_prices_a_row_at_the_exports_measured_cost_of_one():
+    """Until the step times are measured, row_cost; then the slope of a step's time from 2 rows to the full
+    budget, in plain steps (an int4 row costs 2-3x a float32 one); 0 (rows are free) stays 0."""
+    d = fused(Fixed((-1, 0), [70]), Fixed((-1,), []), nodes=14, row_cost=0.05)
+    assert d.row_threshold() == 0.05
+    for t, ms in ((1, 8.3), (2, 9.6), (3, 11.2), (4, 12.0), (6, 14.4), (9, 16.8), (15, 23.7)) * 3:  # SmolLM2 int4
+        d.costs.observe(t, ms / 1000)
+    assert d.row_threshold() == pytest.approx((23.7 - 9.6) / 8.3 / 13)  # 0.13 a row
+    free = fused(Fixed((-1, 0), [70]), Fixed((-1,), []), nodes=14, row_cost=0.0)
+    free.costs.observe(1, 0.01)
+    assert free.row_threshold() == 0.0
+
+
 def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
     d, s = fused(Fixed((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
     # the target never takes its drafts: after its first step (drafted to measure) they add nothing, not worth a
