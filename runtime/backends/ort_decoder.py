@@ -124,7 +124,7 @@ class OrtDecoder(Decoder):
         if path in _WARMED:
             return
         _WARMED.add(path)
-        self._scratch_calls([t for t in self.call_sizes if t <= min(WARM_SIZES, self.room)])
+        self._scratch_calls([np.arange(1, t + 1) for t in self.call_sizes if t <= min(WARM_SIZES, self.room)])
 
     def _lone_rows_exact(self) -> bool:
         """Whether a one-row call scores its row bit-identically to a two-row call on this machine
@@ -136,23 +136,23 @@ class OrtDecoder(Decoder):
         path = str(self.manifest.graph_path(self.records[self.sizes[0]]))
         if path not in _LONE_ROWS_EXACT:
             vocab = self.vocab_size
-            exact = True
-            for token in np.linspace(1, vocab - 1, LONE_ROW_PROBES).astype(np.int64):
-                alone, paired = (self.forward(ids, np.arange(len(ids)), np.tril(np.ones((len(ids),) * 2, dtype=bool)))
-                                 for ids in (np.array([token]), np.array([token, (token * 7 + 3) % vocab])))
-                self.reset()
-                exact = exact and bool(np.array_equal(alone.logits[0], paired.logits[0]))
-            self.calls, self.seconds = 0, 0.0
-            _LONE_ROWS_EXACT[path] = exact
+            tokens = np.linspace(1, vocab - 1, LONE_ROW_PROBES).astype(np.int64)
+            rows = self._scratch_calls([ids for t in tokens for ids in ([t], [t, (t * 7 + 3) % vocab])])
+            _LONE_ROWS_EXACT[path] = all(np.array_equal(alone, paired) for alone, paired in zip(rows[::2], rows[1::2]))
         return _LONE_ROWS_EXACT[path]
 
-    def _scratch_calls(self, sizes: list[int]) -> list[StepOutput]:
-        """One call of each size (tokens 1..n) on an empty cache, then an empty cache and no calls
-        counted: load-time checks and warm-up, never a request's."""
-        outs = [self.forward(np.arange(1, n + 1), np.arange(n), np.tril(np.ones((n, n), dtype=bool))) for n in sizes]
+    def _scratch_calls(self, calls: list) -> list[np.ndarray]:
+        """One call of each token array on an empty cache, then an empty cache and no calls counted:
+        load-time checks and warm-up, never a request's. Each call's first row of logits, copied (a
+        fused graph's outputs are its binding's buffers, which the next call of its size overwrites)."""
+        rows = []
+        for ids in calls:
+            n = len(ids)
+            out = self.forward(np.asarray(ids, dtype=np.int64), np.arange(n), np.tril(np.ones((n, n), dtype=bool)))
+            rows.append(out.logits[0].copy())
         self.reset()
         self.calls, self.seconds = 0, 0.0
-        return outs
+        return rows
 
     def _one_graph(self, graph) -> bool:
         """Whether every record of this model is the one dynamic-T graph (one session)."""

@@ -38,6 +38,9 @@ class StepCosts:
     def __init__(self, call_cost: float, row_cost: float) -> None:
         self.call_cost, self.row_cost = call_cost, row_cost
         self.by_size: dict[int, Average] = {}
+        # each size's price since the last observation: a step prices up to 15 sizes (best_prefix), each
+        # against the plain step's, and re-deriving them from the averages cost 88 us a step
+        self._priced: dict[int, float] = {}
 
     def shape(self, t: float) -> float:
         """The prior: a step of verify size `t` in plain steps."""
@@ -45,6 +48,7 @@ class StepCosts:
 
     def observe(self, t: int, seconds: float) -> None:
         self.by_size.setdefault(t, Average()).add(seconds, clip=STALL)
+        self._priced.clear()
 
     @property
     def measured(self) -> bool:
@@ -58,6 +62,12 @@ class StepCosts:
         return self.by_size[near].value * self.shape(t) / self.shape(near)  # type: ignore[operator]
 
     def _at(self, t: int) -> float:
+        price = self._priced.get(t)
+        if price is None:
+            price = self._priced[t] = self._price(t)
+        return price
+
+    def _price(self, t: int) -> float:
         own = self.by_size.get(t)
         if own is not None and own.count >= MIN_SAMPLES:
             return own.value  # type: ignore[return-value]

@@ -9,12 +9,11 @@ probability, within `max_nodes`. Of the two trees' proposals
 the one continuing the longer match wins (then the higher expected acceptance). Of that
 tree only the best nodes are verified, as many as maximize the expected tokens per second
 (drafters/step_costs.py: a step's measured time by verify size; a node's worth is its chance of
-being on the target's path, drafters/tree_budget.py, from the acceptance measured in this request
-(drafters/acceptance.py):
-the root's children per match length, deeper nodes per depth, since acceptance comes in runs): a
-frequent continuation that this answer does not follow costs rows, not only misses. Drafts are
-deterministic and sized by verified steps and their times only, verified like prompt lookup's
-(greedy exact, sampling lossless).
+being on the target's path, drafters/tree_budget.py, from the acceptance measured in this request,
+drafters/acceptance.py: the root's children per match length, deeper nodes per depth, since
+acceptance comes in runs): a frequent continuation that this answer does not follow costs rows,
+not only misses. Drafts are deterministic and sized by verified steps and their times only,
+verified like prompt lookup's (greedy exact, sampling lossless).
 
 The cross-request cache lives on the loaded export (`LoadedExport.part`): one per export
 instance, so one per `Service` with the default pool of one (a pool of N holds N, each
@@ -103,7 +102,7 @@ class SuffixDrafter(Drafter):
         self.config, self.cache, self.timer = config, cache, timer
 
     def start(self, state: DecodeState) -> None:
-        # measured on its whole trees, the root's children per match length, deeper nodes per depth (tree_budget.py)
+        # measured on its whole trees, the root's children per match length, deeper nodes per depth (acceptance.py)
         self.rate = RankAcceptance(MATCH_KINDS, DEPTHS)
         self.kind = 0  # this step's proposal's: its match length's
         self.proposed: Proposal | None = None  # this step's whole tree, before the rows' cost trimmed it
