@@ -65,7 +65,10 @@ SYMMETRIC = False  # a zero point per block: closer than symmetric at int4 for t
 LM_HEAD_BITS = 8
 # bits -> the largest block at which MatMulNBits (accuracy level 4) gives a row the same from a
 # one-row call as from any other (measured on ORT 1.32 with AVX512-VNNI, every SmolLM2 shape and
-# 1-16 rows: larger blocks sum a lone row differently; rows of 2 and more always agree).
+# 1-16 rows: larger blocks sum a lone row differently; rows of 2 and more always agree). Kernels
+# are per CPU: on AVX2 without VNNI 4-bit is row-exact at block 16 only (8-bit at 16-64), and the
+# runtime pads there (runtime/backends/ort_decoder.py); block 16 unpadded decoded slower than block
+# 32 padded on that CPU, so the default block stays 32.
 ROW_EXACT_BLOCK = {4: 32, 8: 64}
 METHOD = "matmul_nbits"  # what the manifest says was applied (ORT's MatMulNBitsQuantizer, round to nearest)
 
@@ -188,7 +191,7 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def _quantizer_class():
+def quantizer_class():
     """ORT's MatMulNBitsQuantizer; its module calls logging.basicConfig(INFO) on import, which
     would turn on every library's INFO lines in this process: the root logger is put back."""
     root = logging.getLogger()
@@ -210,7 +213,7 @@ def _lm_head(graph: onnx.GraphProto) -> onnx.NodeProto | None:
 
 def _matmul_nbits(model: onnx.ModelProto, bits: int, scheme: WeightScheme, exclude: list[str]) -> onnx.ModelProto:
     """ORT's MatMulNBitsQuantizer over every constant-weight MatMul not named in `exclude`."""
-    MatMulNBitsQuantizer = _quantizer_class()
+    MatMulNBitsQuantizer = quantizer_class()
     quiet = logging.getLogger("onnxruntime.quantization")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # it logs every node it skips
