@@ -111,8 +111,8 @@ class OrtDecoder(Decoder):
             if path not in _PADDED_ONE_ROW_CALLS:  # once per graph and process, not per pool instance
                 _PADDED_ONE_ROW_CALLS.add(path)
                 log.warning("%s: this CPU's ONNX Runtime scores a lone row differently from a row among others; "
-                            "one-row calls take a padding row (still exact; about a fifth of a decode step "
-                            "slower on an int4 SmolLM2 with AVX2; an int8 export has no such cost there)", self.what)
+                            "one-row calls take a padding row (still exact; decoding measured 16%% slower for "
+                            "it on an int4 SmolLM2 with AVX2; an int8 export has no such cost there)", self.what)
 
     def warm_call_sizes(self) -> None:
         """Run each small call size once, on an empty cache (once per graph and process: the session
