@@ -35,11 +35,13 @@ AUTO = "auto"
 # on chat and code (1.53x, 2.30x) and behind it on grounded text (2.05x). Prompt lookup, not suffix, because
 # suffix decoding's cache of earlier requests' outputs is shared by a service's requests, and the speed it
 # gives one request could tell a client what another was answered (README, Serving): a default must not
-# carry anything across requests. Without a draft model the trained heads fused with prompt lookup (on
-# float32 in BENCHMARKS.md: eagle+prompt-lookup 0.98x / 2.89x / 1.56x against prompt lookup's 0.87x /
-# 2.53x / 1.51x on chat / code / grounded); without either, prompt lookup alone, which copies for free on
-# the host and verifies only what pays for its rows.
-RECOMMENDED = ("draft+prompt-lookup", "eagle+prompt-lookup", "medusa+prompt-lookup", "prompt-lookup", "ar")
+# carry anything across requests. Without a draft model, prompt lookup alone: it copies for free on the
+# host and verifies only what pays for its rows, and the trained heads fused with it measured no faster
+# (two runs of 4 prompts a set, chat / code / grounded against ar: prompt lookup 1.27x / 2.05x / 1.74x and
+# 1.07x / 2.06x / 1.78x, eagle+prompt-lookup 1.28x / 2.03x / 1.62x and 1.06x / 2.13x / 1.61x,
+# medusa+prompt-lookup 1.09x / 2.04x / 1.66x; the heads are trained in make export's 15 CPU-minutes).
+# The fused ones stay as fallbacks for an export that serves them without prompt lookup.
+RECOMMENDED = ("draft+prompt-lookup", "prompt-lookup", "eagle+prompt-lookup", "medusa+prompt-lookup", "ar")
 # A quantized target's step is cheap beside a draft model's or a head's calls, and prompt lookup alone beat
 # every fused method there (SmolLM2, 4-6 prompts x 96 tokens a set against ar: int8 target, int4 self-draft:
 # prompt lookup 0.98x / 1.42x / 1.27x on chat / code / grounded, draft+prompt-lookup 0.91x / 1.17x / 1.08x,
