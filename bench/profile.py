@@ -29,18 +29,19 @@ import sys
 import time
 from pathlib import Path
 
-from .prompts import load_prompts, shipped_sets
+from .prompts import encode_items, load_items, shipped_sets
 
 
-def profile(export_dir: Path, method: str, prompts: list[str], max_new_tokens: int, threads: int,
+def profile(export_dir: Path, method: str, items: list[dict], max_new_tokens: int, threads: int,
             top: int = 18) -> str:
+    """`items`: prompts as bench.prompts.load_items reads them (chat items through the export's template)."""
     from ..runtime.backends import use_shared_threads
     from ..runtime.generate import generate
     from ..runtime.loaded_export import LoadedExport
 
     use_shared_threads(threads)  # as the CLI, server and bench run
     export = LoadedExport(export_dir, backend="ort-cpu", threads=threads)
-    ids = [export.tokenizer.encode(p) for p in prompts]
+    ids = encode_items(items, export)
     generate(export, ids[0], method=method, max_new_tokens=max_new_tokens, ignore_eos=True)  # warm-up
     totals: dict[str, float] = {}
     tokens, calls, wall = 0, 0, 0.0
@@ -231,11 +232,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
-    if args.ops:
-        sys.stdout.write(op_split(args.out, args.threads, args.past))
-        return 0
-    prompts = load_prompts(args.prompts or shipped_sets()["code"])[: args.num_prompts]
-    sys.stdout.write(profile(args.out, args.method, prompts, args.max_new_tokens, args.threads))
+    from ..runtime.errors import SpecDeployError
+
+    try:
+        if args.ops:
+            sys.stdout.write(op_split(args.out, args.threads, args.past))
+            return 0
+        items = load_items(args.prompts or shipped_sets()["code"])[: args.num_prompts]
+        sys.stdout.write(profile(args.out, args.method, items, args.max_new_tokens, args.threads))
+    except SpecDeployError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

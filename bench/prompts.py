@@ -76,7 +76,7 @@ def load_items(path: str | Path) -> list[dict]:
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """The raw texts of a file with no chat items (what profile and tune-tree read)."""
+    """The raw texts of a file with no chat items."""
     items = load_items(path)
     if any("chat" in item for item in items):
         raise SpecDeployError(f"{path} has chat prompts: encode them with encode_items()")

@@ -615,6 +615,14 @@ def test_profile_reports_stage_times_and_hot_functions(micro_export):
     assert "ar: 12 tokens" in proc.stdout and "verify" in proc.stdout and "run_with_iobinding" in proc.stdout
 
 
+def test_profile_reads_chat_prompt_sets_and_says_what_is_missing(micro_export, tmp_path):
+    """A chat set goes through the export's template; the micro export has none: one line, exit 2."""
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"chat": "hello"}) + "\n")
+    proc = run_cli_module("specdeploy.bench.profile", micro_export, "--prompts", prompts, "--max-new-tokens", "4")
+    assert proc.returncode == 2 and "chat template" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_graph_comparison_says_when_the_peer_model_is_missing(micro_export, tmp_path):
     proc = run_cli_module("specdeploy.bench.profile", micro_export, "--graph-vs-ortgenai", "--peers-dir", tmp_path)
     assert proc.returncode != 0 and "make peers" in proc.stderr and "Traceback" not in proc.stderr
