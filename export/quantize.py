@@ -28,7 +28,9 @@ GroupQueryAttention sums a lone row differently), so it keeps its one-row calls,
 MatMulNBits are row-exact too: up to block 32 at 4 bits and block 64 at 8 bits (ROW_EXACT_BLOCK;
 larger blocks take another kernel for one row). A larger block's T=1 record becomes T=2
 (`_no_single_row_calls`). The runtime re-checks this on the machine it runs on
-(runtime/backends/ort_decoder.py) and gives one-row calls a padding row where it does not hold.
+(runtime/backends/ort_decoder.py) and gives one-row calls a padding row where it does not hold;
+its calls then run the copy of the graph written here without the attention padding
+(`unpadded_graph` in the manifest's scheme: the same weights).
 
 Weights once (ARCHITECTURE.md): a model's fused graphs are one file content for every static
 T and share one external-data file. Each distinct content is quantized once, the result is
@@ -49,7 +51,15 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..runtime.errors import SpecDeployError
-from ..runtime.graph_contract import DECODER, FUSED, TARGET, GraphRecord, decoder_graph_name, weights_file
+from ..runtime.graph_contract import (
+    DECODER,
+    FUSED,
+    TARGET,
+    GraphRecord,
+    decoder_graph_name,
+    unpadded_graph_file,
+    weights_file,
+)
 from .attention_pad import can_pad, pad_attention
 
 WEIGHT_CHOICES = ("float", "int8", "int4")
@@ -282,9 +292,16 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
         embeddings = set()
         # every content padded or none: the manifest's attention_pad speaks for the model
         pad = model == TARGET and row_exact_matmuls(scheme) and all(can_pad(m.graph) for _, m in loaded)
+        # the one dynamic-T content also unpadded, for a CPU whose one-row calls get a padding row anyway
+        unpadded = unpadded_graph_file(model) if pad and len(loaded) == 1 else None
         for paths, float_model in loaded:
             quantized, embedding = quantize_model(float_model, scheme)
             embeddings.add(embedding)
+            if unpadded:  # the same payloads as the padded graph's: written once, read by both
+                plain = onnx.ModelProto()
+                plain.CopyFrom(quantized)
+                weights.externalize(plain, out / unpadded)
+                onnx.save(plain, str(out / unpadded))
             if pad and not pad_attention(quantized.graph):
                 raise AssertionError("an attention that can_pad accepted was not padded")
             weights.externalize(quantized, paths[0])
@@ -300,6 +317,8 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
         models[model] = scheme.to_json("shared" if embeddings == {"shared"} else "float")
         if pad:  # a call writes one key and value past its rows (runtime/decoder.py: spare)
             models[model]["attention_pad"] = 1
+        if unpadded:
+            models[model]["unpadded_graph"] = unpadded
         progress(f"  quantized {model}'s fused graphs ({len(records)} records, {len(loaded)} distinct) to "
                  f"{scheme.name}, block {scheme.block_size}: {weights_file(model, FUSED)} "
                  f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB"

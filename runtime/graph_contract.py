@@ -192,6 +192,12 @@ def graph_file(name: str) -> str:
     return f"{name}.onnx"
 
 
+def unpadded_graph_file(model: str) -> str:
+    """A quantized model's fused graph without its attention padding rows (export/attention_pad.py): what
+    the runtime opens where it pads every call to two rows anyway (quantization.models.<model>.unpadded_graph)."""
+    return graph_file(f"{model}_fused_unpadded")
+
+
 def weights_file(model: str, flavor: str = PORTABLE) -> str:
     """One external-data file per model and flavor, shared by its static-T graphs."""
     return f"weights/{model}.bin" if flavor == PORTABLE else f"weights/{model}.{flavor}.bin"

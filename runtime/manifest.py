@@ -70,6 +70,11 @@ class Manifest:
     def graph_path(self, graph: GraphRecord) -> Path:
         return self.root / graph.file  # kept inside root when the manifest loaded
 
+    def unpadded_graph_path(self, model: str) -> Path | None:
+        """`model`'s fused graph without attention padding rows, where the export wrote one (export/quantize.py)."""
+        file = (self.weight_scheme(model) or {}).get("unpadded_graph")
+        return None if file is None else self.root / file  # kept inside root when the manifest loaded
+
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self.tokenizer.get("eos_token_ids", []))
@@ -146,17 +151,25 @@ def _check_graph_files(root: Path, graphs: dict[str, GraphRecord]) -> None:
 
 
 def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir: str,
-                      models: dict[str, ModelRecord]) -> dict[str, str]:
+                      models: dict[str, ModelRecord], quantization: dict | None) -> dict[str, str]:
     """Every file the runtime opens, relative to root -> what refers to it; each kept inside root
     (a graph's external-data locations are read from its protobuf: runtime/onnx_external.py)."""
     refs = {}
-    for g in graphs.values():
-        refs[os.path.normpath(g.file)] = f"graph {g.name}"
-        parent = Path(g.file).parent
-        for location in external_data_locations(root / g.file):
+    files = {g.file: f"graph {g.name}" for g in graphs.values()}
+    for model, scheme in (quantization or {}).get("models", {}).items():
+        if "unpadded_graph" in scheme:
+            where = f"quantization.models.{model}.unpadded_graph"
+            path = inside(root, scheme["unpadded_graph"], f"manifest: {where}")
+            if not path.is_file():
+                raise SpecDeployError(f"graph file missing: {path} ({where}; re-export it)")
+            files[scheme["unpadded_graph"]] = where
+    for file, what in files.items():
+        refs[os.path.normpath(file)] = what
+        parent = Path(file).parent
+        for location in external_data_locations(root / file):
             rel = (parent / location).as_posix()
-            inside(root, rel, f"{g.file}: external data location")
-            refs.setdefault(os.path.normpath(rel), f"{g.file}'s external data")
+            inside(root, rel, f"{file}: external data location")
+            refs.setdefault(os.path.normpath(rel), f"{file}'s external data")
     refs[os.path.normpath(Path(tokenizer_dir) / TOKENIZER_FILE)] = "the tokenizer"
     for m in models.values():  # a draft vocabulary's id map (runtime/drafters/draft_model.py)
         if "draft_vocab_file" in m.extra:
@@ -206,7 +219,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
         if verify_checksums and sha256_file(fpath) != digest:
             raise SpecDeployError(f"checksum mismatch for {fpath}: the file changed since export (re-export it)")
     listed = {os.path.normpath(rel) for rel in files}
-    for rel, what in _referenced_files(root, graphs, tokenizer_dir, models).items():
+    for rel, what in _referenced_files(root, graphs, tokenizer_dir, models, quantization).items():
         if rel not in listed:
             raise SpecDeployError(f"manifest: {rel} ({what}) is not in the files map, so its integrity cannot be "
                                   "checked (re-export it)")

@@ -186,7 +186,12 @@ def quantization(data, models: dict) -> dict:
         if text(scheme.get("embedding"), f"{where}.embedding") not in QUANT_EMBEDDINGS:
             fail(f"{where}.embedding", f"is {scheme['embedding']!r}, not one of {', '.join(QUANT_EMBEDDINGS)}")
         # rows a call writes past its own (export/attention_pad.py); absent: none
-        integer(scheme.get("attention_pad", 0), f"{where}.attention_pad", 0, 1)
+        pad = integer(scheme.get("attention_pad", 0), f"{where}.attention_pad", 0, 1)
+        # the same graph without them, for a CPU that pads every call to two rows (export/quantize.py)
+        if "unpadded_graph" in scheme:
+            text(scheme["unpadded_graph"], f"{where}.unpadded_graph")
+            if not pad:
+                fail(f"{where}.unpadded_graph", "names an unpadded graph of a model whose graphs are not padded")
     return data
 
 

@@ -5,6 +5,7 @@ passing on a sound quantization and failing on a broken one (export/quantize.py,
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import shutil
@@ -70,6 +71,13 @@ def test_manifest_records_the_scheme_and_only_fused_graphs_change(quantized, mic
         # a quantized target's attentions carry a padding row (export/attention_pad.py); drafters'
         # rows only change proposals
         assert scheme.get("attention_pad", 0) == (1 if model == "target" else 0), model
+    # and the same graph without the padding, for a CPU that pads every call to two rows: the same weights
+    unpadded = out / q["models"]["target"]["unpadded_graph"]
+    padded = out / manifest["graphs"]["target_fused_t1"]["file"]
+    assert [op for op in _ops(padded) if op not in ("Slice", "Concat", "Pad", "Add")] == \
+        [op for op in _ops(unpadded) if op not in ("Slice", "Concat", "Add")] and "Pad" not in _ops(unpadded)
+    assert len(_ops(unpadded)) < len(_ops(padded)) and _weight_refs(unpadded) == _weight_refs(padded)
+    assert all("unpadded_graph" not in scheme for model, scheme in q["models"].items() if model != "target")
     for name, g in manifest["graphs"].items():
         ops = _ops(out / g["file"])
         if g.get("flavor") == "fused":
@@ -81,6 +89,14 @@ def test_manifest_records_the_scheme_and_only_fused_graphs_change(quantized, mic
         assert size < (0.6 if bits == "int4" else 0.7) * _payload(micro_export, model, "fused"), (model, size)
         both = set(_manifest(out)["graphs"]) & set(_manifest(micro_export)["graphs"])
         assert _payload(out, model, "portable", both) == _payload(micro_export, model, "portable", both), model
+
+
+def _weight_refs(path: Path) -> set:
+    """(location, offset, length) of each external payload the graph at `path` reads."""
+    import onnx
+
+    return {tuple(e.value for e in t.external_data)
+            for t in onnx.load(str(path), load_external_data=False).graph.initializer if t.external_data}
 
 
 def _payload(export, model: str, flavor: str, names=None) -> int:
@@ -160,7 +176,9 @@ def test_rows_are_identical_from_any_call_size(quantized):
     bits, out, _ = quantized
     export = LoadedExport(out)
     target = export.decoder("target")
-    assert target.sizes[0] == 1 and target.spare == 1
+    # one-row calls with padded attentions (one spare position), or, where this CPU sums a lone row apart,
+    # every call of two rows or more on the unpadded graph (no spare position)
+    assert target.sizes[0] == 1 and (target.call_sizes[0], target.spare) in ((1, 1), (2, 0))
     assert export.decoder("draft").sizes[0] == 1 and export.decoder("draft").spare == 0  # rows change proposals only
     ids = np.array((export.tokenizer.encode("\n".join(PROMPTS)) * 8)[: 4 + max(target.sizes)])
     target.reset()
@@ -173,9 +191,9 @@ def test_rows_are_identical_from_any_call_size(quantized):
 
 
 def test_a_call_never_ends_at_the_context_end(quantized):
-    """A one-row call writes a padding row one position past its token (the padded attention):
-    one before the context end it is refused, never written past the KV buffer (generation stops
-    a position earlier: test_decoding_to_the_context_end)."""
+    """A one-row call writes a padding row one position past its token (the padded attention, or the
+    padding row of a two-row call where this CPU pads them): one before the context end it is refused,
+    never written past the KV buffer (generation stops a position earlier: test_decoding_to_the_context_end)."""
     from specdeploy.runtime.errors import SpecDeployError
     from specdeploy.runtime.loaded_export import LoadedExport
 
@@ -186,9 +204,16 @@ def test_a_call_never_ends_at_the_context_end(quantized):
     n = target.max_context - one
     target.prefill(np.zeros(n, np.int64), 64)  # its calls end before the last position
     assert target.cache.length == n
-    assert target.room == one - 1  # one spare position
-    with pytest.raises(SpecDeployError, match="less 1 spare"):
-        target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
+    if target.spare:  # padded attentions: one spare position
+        assert target.room == one - 1
+        with pytest.raises(SpecDeployError, match="less 1 spare"):
+            target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
+        return
+    # the unpadded graph, every call two rows or more: a lone token's call fills the last position
+    assert one == 2 and target.room == 2
+    target.forward(np.zeros(1, np.int64), np.array([n]), np.ones((1, 1), bool))
+    with pytest.raises(SpecDeployError, match="context full"):
+        target.forward(np.zeros(3, np.int64), np.arange(n, n + 3), np.tril(np.ones((3, 3), bool)))
 
 
 ONE_ROW_METHODS = ("draft", "eagle", "prompt-lookup")  # a model drafter, a tree, a host drafter
@@ -216,6 +241,7 @@ def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_wit
     row, so every method still equals ar."""
     from specdeploy.export import quantize
     from specdeploy.runtime.backends.ort_decoder import OrtDecoder
+    from specdeploy.runtime.backends.sessions import live_sessions
     from specdeploy.runtime.loaded_export import LoadedExport
 
     monkeypatch.setattr(quantize, "ROW_EXACT_BLOCK", {4: 128, 8: 128})
@@ -231,12 +257,25 @@ def test_the_runtime_pads_one_row_calls_where_this_cpu_sums_them_apart(micro_wit
     if np.array_equal(rows[0], rows[1]):
         pytest.skip("this CPU's MatMulNBits sums a lone row at block 128 as it sums it among others")
     monkeypatch.undo()
+    del unchecked  # its padded session: freed once no decoder holds it
 
     export = LoadedExport(out)
     target = export.decoder("target")
     assert target.sizes[0] == 1 and target.call_sizes[0] == 2  # T=1 exported, refused here
     assert "one-row calls take a padding row" in caplog.text  # said as a warning
+    # every call has two rows now, so it runs the export's unpadded graph, the padded one's session let go
+    unpadded = out / _manifest(out)["quantization"]["models"]["target"]["unpadded_graph"]
+    padded = out / "target_fused_t1.onnx"
+    assert target.spare == 0 and {g.path for g in target.graphs.values()} == {unpadded}
+
+    def live() -> set[Path]:
+        gc.collect()
+        return {p.resolve() for p in live_sessions()}
+
+    assert unpadded.resolve() in live() and padded.resolve() not in live()
     assert not _methods_differing_from_ar(export, ONE_ROW_METHODS, PROMPTS[:3])
+    second = LoadedExport(out).decoder("target")  # the probe's verdict is kept: no padded session reopened
+    assert second.spare == 0 and padded.resolve() not in live()
 
 
 def test_a_trees_leading_chain_is_sequential_decoding(quantized, micro_export):
@@ -471,7 +510,10 @@ def test_manifest_validates_the_scheme(quantized, tmp_path):
     for path, value, message in ((("models", "target", "bits"), 3, "bits must be one of"),
                                  (("models", "target", "block_size"), 48, "power of two"),
                                  (("models", "nobody"), {}, "unknown model"),
-                                 (("flavor",), "tiny", "quantization.flavor")):
+                                 (("flavor",), "tiny", "quantization.flavor"),
+                                 (("models", "eagle", "unpadded_graph"), "eagle_fused_t1.onnx", "are not padded"),
+                                 (("models", "target", "unpadded_graph"), "../x.onnx", "outside the export"),
+                                 (("models", "target", "unpadded_graph"), "gone.onnx", "graph file missing")):
         copy = tmp_path / "copy"
         shutil.copytree(out, copy)
         manifest = _manifest(copy)

@@ -99,10 +99,10 @@ def open_session(path: Path, backend: str, threads: int | None, providers: list 
 
 
 def open_decoder_session(manifest, record: GraphRecord, backend: str, threads: int | None,
-                         providers: list | None = None):
-    """`open_session` for a decoder graph the manifest describes, checked against that description
-    when it opens (session metadata only: its KV inputs and logits width)."""
-    path = manifest.graph_path(record)
+                         providers: list | None = None, path: Path | None = None):
+    """`open_session` for a decoder graph the manifest describes (at `path`: the record's file by default),
+    checked against that description when it opens (session metadata only: its KV inputs and logits width)."""
+    path = path or manifest.graph_path(record)
     session = open_session(path, backend, threads, providers)
     logits = next((o.shape for o in session.get_outputs() if o.name == LOGITS), [None])
     problem = decoder_mismatch(path.name, manifest.models[record.model], [i.name for i in session.get_inputs()],

@@ -26,6 +26,7 @@ int8 and int4 exports: KV and logits compared), so the chunking changes no outpu
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 
@@ -88,13 +89,18 @@ class OrtDecoder(Decoder):
         self.presents = present_names(record.num_layers)
         self.manifest, self.backend, self.threads = manifest, backend, threads
         self.vocab_size = record.vocab_size
+        self._unpadded: Path | None = None  # the graph every record runs instead (_without_attention_padding)
         self.graphs: dict[int, InPlaceGraph | OrtGraph] = OnFirstUse(self._open)
         # fused graphs with a logit_rows input: a second binding per T that scores the last row only
         self._last_row: dict[int, InPlaceGraph] = OnFirstUse(self._open_last_row)
         self._output_rows: dict[str, np.ndarray] = {}  # fused: the bindings' shared outputs
         self._long_bindings: dict[int, InPlaceGraph] = {}  # a long prefill chunk's (forward)
         if fused:  # a static T's inputs are its graph's bound arrays (filled in place)
-            self.inputs = OnFirstUse(lambda t: StaticCall(t, self.graphs[t].inputs))
+            self.inputs: dict = OnFirstUse(lambda t: StaticCall(t, self.graphs[t].inputs))
+        padded = manifest.graph_path(self.records[self.sizes[0]])
+        unpadded = manifest.unpadded_graph_path(model) if fused and self.spare else None
+        if unpadded is not None and _LONE_ROWS_EXACT.get(str(padded)) is False:  # probed by an earlier decoder
+            self._unpadded, self.spare = unpadded, 0
         # Every generation decodes with the smallest graph: open it now, not inside a timed step.
         # With a dynamic-T export that is the model's one session; other T only add a binding.
         first = self.graphs[self.sizes[0]]
@@ -102,17 +108,31 @@ class OrtDecoder(Decoder):
             self.call_sizes = list(range(self.sizes[0], self.sizes[-1] + 1))
             if LOGIT_ROWS in first.inputs:
                 self.long_rows = max(self.sizes[-1], min(LONG_PREFILL, manifest.max_context - 1))
-        if self.spare and self.call_sizes[0] == 1 and len(self.call_sizes) > 1 and self.room >= 2 \
-                and not self._lone_rows_exact():
+        if self._unpadded is not None or (self.spare and self.call_sizes[0] == 1 and len(self.call_sizes) > 1
+                                          and self.room >= 2 and not self._lone_rows_exact()):
             # The export measured its kernels row-exact on another CPU (export/quantize.py,
             # ROW_EXACT_BLOCK); here a one-row call would drift from `ar`'s rows: give it a padding row.
             self.call_sizes = [t for t in self.call_sizes if t > 1]
-            path = str(manifest.graph_path(self.records[self.sizes[0]]))
-            if path not in _PADDED_ONE_ROW_CALLS:  # once per graph and process, not per pool instance
-                _PADDED_ONE_ROW_CALLS.add(path)
+            if unpadded is not None and self._unpadded is None:
+                self._without_attention_padding(unpadded)
+            if str(padded) not in _PADDED_ONE_ROW_CALLS:  # once per graph and process, not per pool instance
+                _PADDED_ONE_ROW_CALLS.add(str(padded))
                 log.warning("%s: this CPU's ONNX Runtime scores a lone row differently from a row among others; "
                             "one-row calls take a padding row (still exact; decoding measured 16%% slower for "
                             "it on an int4 SmolLM2 with AVX2; an int8 export has no such cost there)", self.what)
+
+    def _without_attention_padding(self, unpadded: Path) -> None:
+        """Every call now has two rows or more, so the attentions' padding rows (export/attention_pad.py) only
+        cost time: decode with the export's unpadded graph instead (SmolLM2 int4 on an AVX2 CPU, calls of
+        2 / 8 rows: 14.9 / 31.7 ms padded, 13.7 / 28.9 unpadded; `ar` 1-12% faster). Its rows differ from the
+        padded graph's by ulps (measured at 2 and 8 rows), but every call of this decoder runs it,
+        and from two rows up its rows are the same at any call size, as the padded graph's are. The padded
+        graph's bindings are dropped (its session freed unless another decoder of the process holds it);
+        later decoders of the process open the unpadded graph first (the probe's verdict is kept)."""
+        self._unpadded, self.spare = unpadded, 0
+        for opened in (self.graphs, self._last_row, self._output_rows, self.inputs):
+            opened.clear()
+        assert self._one_graph(self.graphs[self.call_sizes[0]])  # the one dynamic-T content
 
     def warm_call_sizes(self) -> None:
         """Run each small call size once, on an empty cache (once per graph and process: the session
@@ -121,7 +141,7 @@ class OrtDecoder(Decoder):
         adaptive policy's estimate of a drafting step high enough to keep a winning method plain."""
         if not self.fused:
             return
-        path = str(self.manifest.graph_path(self.records[self.sizes[0]]))
+        path = str(self._graph_path(self.records[self.sizes[0]]))
         if path in _WARMED:
             return
         _WARMED.add(path)
@@ -155,11 +175,14 @@ class OrtDecoder(Decoder):
         self.calls, self.seconds = 0, 0.0
         return rows
 
+    def _graph_path(self, record) -> Path:
+        return self._unpadded or self.manifest.graph_path(record)
+
     def _one_graph(self, graph) -> bool:
         """Whether every record of this model is the one dynamic-T graph (one session)."""
         if not (isinstance(graph, InPlaceGraph) and graph.any_tokens):
             return False
-        paths = [self.manifest.graph_path(r) for r in self.records.values()]
+        paths = [self._graph_path(r) for r in self.records.values()]
         return len({graph_identity(p) for p in paths}) == 1
 
     def _open(self, t: int):
@@ -170,10 +193,10 @@ class OrtDecoder(Decoder):
             first = self._first_fused()
             path, session = first.path, first.session
         else:
-            path = self.manifest.graph_path(record)
+            path = self._graph_path(record)
             # held: the graph below reuses it; checked against the manifest first (a stale or edited one)
             session = open_decoder_session(self.manifest, record, "ort-cpu" if self.fused else self.backend,
-                                           self.threads)
+                                           self.threads, path=path)
         if self.fused:
             if not self._output_rows:  # sized for the largest T: every binding writes a prefix
                 self._output_rows = {name: np.zeros((1, self.sizes[-1], *shape[2:]), dtype)

@@ -85,6 +85,12 @@ HOSTILE = {
                           "quantization.models.target.attention_pad must be between 0 and 1"),
     "attention_pad_text": (lambda m: m.update(quantization=_quantized(attention_pad="1")),
                            "quantization.models.target.attention_pad must be an integer"),
+    "unpadded_graph_number": (lambda m: m.update(quantization=_quantized(unpadded_graph=3)),
+                              "quantization.models.target.unpadded_graph must be a string"),
+    "unpadded_graph_unpadded": (lambda m: m.update(quantization=_quantized(attention_pad=0, unpadded_graph="x.onnx")),
+                                "unpadded_graph names an unpadded graph of a model whose graphs are not padded"),
+    "unpadded_graph_outside": (lambda m: m.update(quantization=_quantized(unpadded_graph="/etc/passwd")),
+                               "unpadded_graph: '/etc/passwd' is an absolute path"),
 }
 
 
