@@ -104,3 +104,9 @@ class Drafter:
 
     def update(self, state: DecodeState, proposal: Proposal, verdict: Verdict, target_out: StepOutput) -> None:
         """Called after the accepted tokens are appended to state.tokens."""
+
+    def sized(self, costs) -> Proposal | None:
+        """A host drafter's (prompt lookup, suffix) latest whole proposal cut as it cuts it running alone:
+        the prefix of its candidates whose expected tokens per second is best at a step's time by verify
+        size `costs` (drafters/step_costs.py). None: this drafter does not size its own proposals."""
+        return None

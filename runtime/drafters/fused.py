@@ -19,7 +19,11 @@ than two beside a six-row one. Beside a host proposal and alone (the host has no
 apart: a part that does not pay alone (EAGLE or Medusa on chat) is no more drafted for want of a
 copy, and one that pays more alone than beside a mostly wrong copy (the draft model on chat)
 drafts in the copy's place (`model_alone_beats_both`; the copy's proposal is still measured).
-A step it sits out tells nothing new of it; what it is expected to add scales with the host's
+A step it sits out is the host part's own step, its proposal cut as the host cuts it running alone
+(`Drafter.sized`: the prefix whose expected tokens per second is best at the step times measured
+here), not the merge's threshold, which is looser because it prices the model part's drafts as
+paid for: on the int4 target sat-out steps verified wider calls for no more tokens than prompt lookup alone.
+Such a step tells nothing new of the model part; what it is expected to add scales with the host's
 miss rate now against where it was measured, so a host whose copies stop being taken brings it
 back, and after a spell out it drafts two steps anyway (PROBE_AFTER: a probe, ever rarer while
 probes find it does not pay), so one slow drafting step cannot leave it out. A skipped EAGLE
@@ -322,7 +326,7 @@ class FusedDrafter(Drafter):
             self.model_rows, self.missed = list(learned.model_rows), list(learned.missed)
         if learned.acceptance is not None:  # where the parts stood: this request's steps soon outweigh it
             self.acceptance, self.rates = list(learned.acceptance), [copy.deepcopy(r) for r in learned.rates]
-        self._host_s, self._proposed_at, self._drafted, self._alone = 0.0, 0.0, False, False
+        self._host_s, self._proposed_at, self._drafted, self._alone, self._own = 0.0, 0.0, False, False, False
         self._sat_out, self._probe_wait, self._probing = 0, PROBE_AFTER[0], 0  # steps; the wait; probe steps left
 
     def row_threshold(self) -> float:
@@ -416,10 +420,17 @@ class FusedDrafter(Drafter):
             self._sat_out, self._probe_wait = 0, PROBE_AFTER[0]
         if self.config.lazy and not (worth or self._probe()):
             model_proposal = Proposal.root_only(root)
+            own = host.sized(self.costs) if hosted else None
+            if own is not None:  # the host part's step alone, as it sizes it running alone (module docstring)
+                self.last = [PartProposal(model_proposal), PartProposal(host_proposal)]  # measured on the whole
+                self._own, self._drafted, self._alone = True, False, False
+                self._proposed_at = time.perf_counter()
+                return own
         else:
             model_proposal = model.propose(state)
             if self.timed and (self._drafted or self.model_s is None):
                 self.model_s = self._average(self.model_s, time.perf_counter() - t1)
+        self._own = False
         self._drafted = model_proposal.tree.size > 1
         self._alone = self._alone and (self._drafted or model_proposal.aux_tokens is not None)  # else keep the copy
         placed = [PartProposal(model_proposal), PartProposal(host_proposal)]
@@ -452,7 +463,8 @@ class FusedDrafter(Drafter):
                 self.rates[i].observe(tree, placed.proposal.tokens, committed)
         model, host = self.last
         hosted = host.proposal.tree.size > 1 and not self._alone  # a copy left out: a step the model drafted alone
-        hosts = set(host.merged.values()) if hosted else {0}
+        # the step's nodes the host placed (the root's included): all of them in a step of its own
+        hosts = set(range(proposal.size)) if self._own else set(host.merged.values()) if hosted else {0}
         if hosted:
             self.host_rows = keep * self.host_rows + (1 - keep) * (len(hosts) - 1)
         if model.proposal.tree.size > 1 or model.proposal.aux_tokens is not None:

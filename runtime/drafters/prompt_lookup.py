@@ -89,6 +89,7 @@ class PromptLookupDrafter(Drafter):
         """`timer` None: every copied token is verified (rows are free)."""
         self.k, self.max_ngram, self.min_ngram, self.timer = k, max_ngram, min_ngram, timer
         self.copied = np.zeros(0, dtype=np.int64)  # this step's whole copy, before its length was chosen
+        self.root = self.copied  # this step's root token ([1])
         self.matched = 0  # its n-gram's length
         self.rate = RankAcceptance(max_ngram + 1, DEPTHS)
 
@@ -101,11 +102,17 @@ class PromptLookupDrafter(Drafter):
         if self.timer is not None:
             self.timer.proposing()
         tokens = np.asarray(state.tokens, dtype=np.int64)
+        self.root = tokens[-1:]
         self.copied, self.matched = find_match(tokens, self.k, self.max_ngram, self.min_ngram)
+        if self.timer is not None:
+            return self.sized(self.timer.costs)
+        return Proposal(Tree.chain(len(self.copied)), np.concatenate([self.root, self.copied]))
+
+    def sized(self, costs) -> Proposal:
         n = len(self.copied)
-        if self.timer is not None and n:
-            n = best_prefix(self.rate.chain(n, self.matched), self.timer.costs)
-        return Proposal(Tree.chain(n), np.concatenate([tokens[-1:], self.copied[:n]]))
+        if n:
+            n = best_prefix(self.rate.chain(n, self.matched), costs)
+        return Proposal(Tree.chain(n), np.concatenate([self.root, self.copied[:n]]))
 
     def update(self, state, proposal, verdict, target_out) -> None:
         if self.timer is not None:

@@ -132,8 +132,14 @@ class SuffixDrafter(Drafter):
         self.kind = min(best.match, MATCH_KINDS) - 1
         if self.timer is None:
             return self.proposed
-        ranked = merge([PartProposal(self.proposed, self.kind)], [self.rate], c.max_nodes, 0.0, context[-1])
-        return ranked.proposal(best_prefix(ranked.worth[1:], self.timer.costs))
+        return self.sized(self.timer.costs)
+
+    def sized(self, costs) -> Proposal | None:
+        if self.proposed is None:
+            return None
+        root = int(self.proposed.tokens[0])
+        ranked = merge([PartProposal(self.proposed, self.kind)], [self.rate], self.config.max_nodes, 0.0, root)
+        return ranked.proposal(best_prefix(ranked.worth[1:], costs))
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
         if self.timer is not None:

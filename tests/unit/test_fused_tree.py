@@ -190,6 +190,30 @@ def test_lazy_weighs_the_model_parts_drafting_time_against_what_it_buys():
     assert fused(model, host, nodes=6, lazy=False).propose(state()).tree.size == 4  # never left out
 
 
+def test_a_step_the_model_part_sits_out_is_the_host_parts_own_step_sized_as_it_sizes_it_alone():
+    """Not the merge's threshold, which prices the model part's drafts as paid for: on an int4 target
+    such steps verified wider calls than prompt lookup alone for the same tokens."""
+    from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
+
+    text = list(range(20, 32))
+    s = DecodeState(text * 2 + text[:3], SamplingParams(), np.random.default_rng(0))
+    host = PromptLookupDrafter(14, 3, 1)  # as the fused method builds it: its whole copy, unsized
+    d = fused(Fixed((-1, 0, 1), [70, 71]), host, nodes=14, row_cost=0.05)
+    for t in list(range(1, 16)) * 3:  # an int4-like step: rows cost 0.1 of a plain step each
+        d.costs.observe(t, 1 + 0.1 * (t - 1))
+    d.model_s, d.added = 5.0, [0.0, 0.0]  # the model part's drafts buy nothing, slowly
+    p = d.propose(s)
+    alone = PromptLookupDrafter(14, 3, 1, StepTimer(d.costs, timed=False))  # prompt lookup alone, same step times
+    alone.start(s)
+    q = alone.propose(s)
+    assert 1 < p.tree.size < 15 and p.tree.parents == q.tree.parents and np.array_equal(p.tokens, q.tokens)
+    assert all(70 not in path for path in paths(p))
+    s.tokens.extend([int(t) for t in p.tokens[1:]] + [99])  # the target takes the whole copy
+    d.update(s, p, Verdict(list(range(p.tree.size)), 99), None)
+    assert d.host_rows == pytest.approx(0.3 * (p.tree.size - 1))  # its placed rows: the step's, past the root
+    assert d.rates[1].at(0) > 0.5  # the copy's acceptance, measured on its whole proposal
+
+
 def test_lookaheads_window_rides_in_the_merged_step_and_takes_its_rows_from_the_budget():
     la = LookaheadDrafter(window=3, ngram=4, guesses=2)  # 8 window rows beside the root cell
     host = Fixed((-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9), [80 + i for i in range(10)])  # a 10-token copy
@@ -449,9 +473,14 @@ def test_the_merge_prices_a_row_at_the_exports_measured_cost_of_one():
 
 
 def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
-    d, s = fused(Fixed((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
-    # the target never takes its drafts: after its first step (drafted to measure) they add nothing, not worth a
-    # row whatever the times
+    class Slow(Fixed):
+        def propose(self, state):
+            time.sleep(0.005)
+            return super().propose(state)
+
+    d, s = fused(Slow((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
+    # the target never takes its drafts: after its first step (drafted to measure) they add nothing, and cost
+    # 5 ms against a step's microseconds (a model part as fast as the step was left out or not by timing noise)
     drafted = [_step(d, s, set(), verify_s=0) for _ in range(300)]
     starts = [i for i, (a, b) in enumerate(zip([False, *drafted], drafted)) if b and not a]
     assert starts[0] == 0 and drafted[1] is False
