@@ -132,13 +132,15 @@ class SuffixDrafter(Drafter):
         self.kind = min(best.match, MATCH_KINDS) - 1
         if self.timer is None:
             return self.proposed
-        return self.sized(self.timer.costs)
+        return self._cut(self.proposed, self.timer.costs)
 
     def sized(self, costs) -> Proposal | None:
-        if self.proposed is None:
-            return None
-        root = int(self.proposed.tokens[0])
-        ranked = merge([PartProposal(self.proposed, self.kind)], [self.rate], self.config.max_nodes, 0.0, root)
+        return None if self.proposed is None else self._cut(self.proposed, costs)
+
+    def _cut(self, whole: Proposal, costs) -> Proposal:
+        """`whole`'s nodes best first, as many as pay for their rows at `costs`."""
+        root = int(whole.tokens[0])
+        ranked = merge([PartProposal(whole, self.kind)], [self.rate], self.config.max_nodes, 0.0, root)
         return ranked.proposal(best_prefix(ranked.worth[1:], costs))
 
     def update(self, state: DecodeState, proposal: Proposal, verdict, target_out) -> None:
