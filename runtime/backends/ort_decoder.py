@@ -118,8 +118,9 @@ class OrtDecoder(Decoder):
             if str(padded) not in _PADDED_ONE_ROW_CALLS:  # once per graph and process, not per pool instance
                 _PADDED_ONE_ROW_CALLS.add(str(padded))
                 log.warning("%s: this CPU's ONNX Runtime scores a lone row differently from a row among others; "
-                            "one-row calls take a padding row (still exact; decoding measured 16%% slower for "
-                            "it on an int4 SmolLM2 with AVX2; an int8 export has no such cost there)", self.what)
+                            "one-row calls take a padding row (still exact; on an int4 SmolLM2 with AVX2 it cost "
+                            "16%% of decoding, of which the export's graph without attention padding, where it "
+                            "has one, wins back 1-12%%; an int8 export has no such cost there)", self.what)
 
     def _without_attention_padding(self, unpadded: Path) -> None:
         """Every call now has two rows or more, so the attentions' padding rows (export/attention_pad.py) only
