@@ -75,14 +75,6 @@ def load_items(path: str | Path) -> list[dict]:
     return out
 
 
-def load_prompts(path: str | Path) -> list[str]:
-    """The raw texts of a file with no chat items."""
-    items = load_items(path)
-    if any("chat" in item for item in items):
-        raise SpecDeployError(f"{path} has chat prompts: encode them with encode_items()")
-    return [item["prompt"] for item in items]
-
-
 def uses_chat(items: list[dict]) -> bool:
     return any("chat" in item for item in items)
 

@@ -40,6 +40,8 @@ AUTO = "auto"
 # (two runs of 4 prompts a set, chat / code / grounded against ar: prompt lookup 1.27x / 2.05x / 1.74x and
 # 1.07x / 2.06x / 1.78x, eagle+prompt-lookup 1.28x / 2.03x / 1.62x and 1.06x / 2.13x / 1.61x,
 # medusa+prompt-lookup 1.09x / 2.04x / 1.66x; the heads are trained in make export's 15 CPU-minutes).
+# Since a sat-out step is prompt lookup's own (drafters/fused.py), one such run gave eagle+prompt-lookup
+# 1.06x / 2.38x / 1.73x against 1.11x / 2.11x / 1.75x: ahead on code, behind on chat, one run of 4 prompts.
 # The fused ones stay as fallbacks for an export that serves them without prompt lookup.
 RECOMMENDED = ("draft+prompt-lookup", "prompt-lookup", "eagle+prompt-lookup", "medusa+prompt-lookup", "ar")
 # A quantized target's step is cheap beside a draft model's or a head's calls, and prompt lookup alone beat

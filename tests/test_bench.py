@@ -149,7 +149,7 @@ def test_repeated_set_gets_more_prompts_at_the_same_tokens_per_pass():
 
 
 def test_shipped_prompt_sets():
-    from specdeploy.bench.prompts import load_items, load_prompts, shipped_sets
+    from specdeploy.bench.prompts import load_items, shipped_sets
 
     chat, raw = shipped_sets(chat=True), shipped_sets(chat=False)
     assert set(chat) == {"chat", "code", "grounded", "repeated"} and set(raw) == {"code", "grounded", "repeated"}
@@ -157,12 +157,12 @@ def test_shipped_prompt_sets():
         items = load_items(path)
         assert len(items) >= 8 and len({json.dumps(i) for i in items}) == len(items)
     assert all("chat" in i for i in load_items(chat["chat"]) + load_items(chat["grounded"]))
-    assert all(p.startswith("# Original:") for p in load_prompts(raw["grounded"]))
+    assert all(set(i) == {"prompt"} and i["prompt"].startswith("# Original:") for i in load_items(raw["grounded"]))
     assert chat["code"] == raw["code"] and all("prompt" in i for i in load_items(chat["code"]))
     # the repeated-task sets: one kind of request, other data each time
     assert len({i["system"] for i in load_items(chat["repeated"])}) == 1
     assert len({i["chat"].split("\n\n")[0] for i in load_items(chat["repeated"])}) == 1
-    assert all(p.startswith("class ") for p in load_prompts(raw["repeated"]))
+    assert all(set(i) == {"prompt"} and i["prompt"].startswith("class ") for i in load_items(raw["repeated"]))
 
 
 def _suffix_worker(export, tmp_path, method="suffix"):
