@@ -49,8 +49,10 @@ QUANTIZED = {"int8": "specdeploy-int8", "int4": "specdeploy-int4"}
 OURS = ("specdeploy", *QUANTIZED.values())  # our runtime's systems: one process per export, its methods in it
 SYSTEMS = ("specdeploy", *QUANTIZED.values(), "hf", "optimum", "ortgenai", "ortgenai-int4", "llamacpp",
            "llamacpp-q8_0", "llamacpp-q4_1")
-ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "draft+suffix", "eagle+suffix",
-               "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup", "lookahead+suffix")
+# draft+prompt-lookup is `auto` on a float export with a draft model (runtime/methods.py, RECOMMENDED)
+ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "draft+prompt-lookup",
+               "draft+suffix", "eagle+suffix", "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup",
+               "lookahead+suffix")
 PEERS = tuple(s for s in SYSTEMS if not s.startswith("specdeploy"))
 # Our methods run on the quantized exports by default: ar and the methods that lead on the real model.
 QUANTIZED_METHODS = ("ar", "prompt-lookup", "suffix", "medusa+suffix")
