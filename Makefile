@@ -175,7 +175,7 @@ lint: setup
 BENCH_DIR = $(or $(BENCH_EXPORT),$(EXPORT_DIR))
 # Bounded for 2 cores: 4 prompts of each set (the repeated-task set 6 at two thirds of the tokens: its
 # warm cache needs earlier outputs), 96 new tokens, 1 interleaved repeat. With every peer that is 37
-# workers and 18 rounds, about 40 min on an idle machine. 2 prompts (21 min) left rows 5-10% apart from
+# workers and 18 rounds, 25 min on an idle machine. 2 prompts (21 min) left rows 5-10% apart from
 # run to run, enough to flip the targets' comparisons of near-equal methods; 3 prompts x 2 repeats made
 # 30 rounds, over an hour.
 BENCH_ARGS ?= --num-prompts 4 --max-new-tokens 96 --repeats 1
