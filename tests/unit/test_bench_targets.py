@@ -1,4 +1,4 @@
-"""The benchmark report's targets, from hand-built results (bench/report.py: targets)."""
+"""The benchmark report (bench/report.py) on hand-built results: its targets and its list of what did not run."""
 
 from __future__ import annotations
 
@@ -27,3 +27,12 @@ def test_targets_compare_with_the_fastest_same_precision_peer_and_our_own_ar():
     assert got["chat: our ar >= llama.cpp ar (same weights)"] == ("30.0 vs 25.0 tok/s", True)
     assert got["chat: our int4 ar >= onnxruntime-genai int4 ar"] == ("60.0 vs 100.0 tok/s", False)
     assert not any("llama.cpp prompt-lookup" in what for what in got)  # a method the peer did not run
+
+
+def test_a_peers_missing_methods_share_one_line():
+    from specdeploy.bench.report import markdown_table
+    from specdeploy.bench.run import PEER_GAP
+
+    skipped = [{"system": "hf", "method": m, "reason": PEER_GAP["hf"]} for m in ("medusa", "eagle", "suffix")]
+    table = markdown_table({"results": [], "skipped": skipped})
+    assert "- hf / medusa, eagle, suffix: transformers has no such mode" in table
