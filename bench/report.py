@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..runtime.methods import RECOMMENDED
 from .prompts import warm_cache
 from .run import ALL_METHODS, OTHER_QUANTIZATION, SYSTEMS
 
@@ -161,19 +162,21 @@ def plot(result: dict, path: str | Path) -> Path:
     return path
 
 
-# Our method `auto` stands for on a float export with a draft model (runtime/methods.py, RECOMMENDED).
-AUTO_FLOAT = "draft+prompt-lookup"
+# The method `auto` stands for on a float export that serves every method (the bench's).
+AUTO_FLOAT = RECOMMENDED[0]
 # Speedups over our own float ar the real-model issue asks of a method ("best": the fastest of ours).
 OVER_OWN_AR = (("best", 2.0), ("eagle", 1.8), ("draft", 1.5), (AUTO_FLOAT, 1.0))
+FLOAT_PEERS = (("ortgenai", "onnxruntime-genai"), ("llamacpp", "llama.cpp"))  # with drafting modes of their own
 
 
 def targets(result: dict) -> list[tuple[str, str, bool | None]]:
     """The project's performance targets, per prompt set: (what, numbers, met?)."""
     out = []
+    ours_at = {_precision(r) for r in result["results"] if r["system"] == "specdeploy"}  # the export's precision
     for set_name in dict.fromkeys(r["prompt_set"] for r in result["results"]):
         rows = {(r["system"], r["method"]): r["tokens_per_s"] for r in result["results"] if r["prompt_set"] == set_name}
         ours = {m: v for (s, m), v in rows.items() if s == "specdeploy"}
-        for peer, name in (("ortgenai", "onnxruntime-genai"), ("llamacpp", "llama.cpp")):
+        for peer, name in FLOAT_PEERS:
             theirs = rows.get((peer, "ar"))
             if "ar" in ours and theirs:
                 out.append((f"{set_name}: our ar >= {name} ar (same weights)",
@@ -182,7 +185,7 @@ def targets(result: dict) -> list[tuple[str, str, bool | None]]:
             hf = rows.get(("hf", m))
             if hf:
                 out.append((f"{set_name}: our {m} >= 1.2x HF {m}", f"{v / hf:.2f}x", v >= 1.2 * hf))
-            for peer, name in (("ortgenai", "onnxruntime-genai"), ("llamacpp", "llama.cpp")):
+            for peer, name in FLOAT_PEERS:
                 theirs = rows.get((peer, m))
                 if m != "ar" and theirs:
                     out.append((f"{set_name}: our {m} >= {name} {m}", f"{v:.1f} vs {theirs:.1f} tok/s", v >= theirs))
@@ -203,7 +206,6 @@ def targets(result: dict) -> list[tuple[str, str, bool | None]]:
                 better = max(parts, key=ours.get)
                 out.append((f"{set_name}: {m} >= the better of its parts ({better})",
                             f"{v:.1f} vs {ours[better]:.1f} tok/s", v >= ours[better]))
-        ours_at = {_precision(r) for r in result["results"] if r["system"] == "specdeploy"}  # the export's
         peer_ar = {r["system"]: r["tokens_per_s"] for r in result["results"] if r["prompt_set"] == set_name
                    and r["method"] == "ar" and not r["system"].startswith("specdeploy") and _precision(r) in ours_at}
         if ours and peer_ar:

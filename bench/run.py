@@ -49,7 +49,7 @@ QUANTIZED = {"int8": "specdeploy-int8", "int4": "specdeploy-int4"}
 OURS = ("specdeploy", *QUANTIZED.values())  # our runtime's systems: one process per export, its methods in it
 SYSTEMS = ("specdeploy", *QUANTIZED.values(), "hf", "optimum", "ortgenai", "ortgenai-int4", "llamacpp",
            "llamacpp-q8_0", "llamacpp-q4_1")
-# draft+prompt-lookup is `auto` on a float export with a draft model (runtime/methods.py, RECOMMENDED)
+# draft+prompt-lookup: `auto` on a float export with a draft model (runtime/methods.py, RECOMMENDED[0])
 ALL_METHODS = ("ar", "draft", "medusa", "eagle", "lookahead", "prompt-lookup", "suffix", "draft+prompt-lookup",
                "draft+suffix", "eagle+suffix", "eagle+prompt-lookup", "medusa+suffix", "medusa+prompt-lookup",
                "lookahead+suffix")
