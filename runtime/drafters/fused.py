@@ -256,14 +256,20 @@ class Measured:
         # 8 of the copy's 14 nodes: 6 such steps a request on grounded prompts)
         self.acceptance: list[float] | None = None
         self.rates: list[RankAcceptance] = []
+        # the model part's drafting time and where its probes stood (PROBE_AFTER): a request that
+        # started unmeasured drafted its first step, and probed after 8 steps out, whatever the last
+        # requests had found; on short requests where it does not pay (suffix's copies on the
+        # repeated set, 30 steps a request) those were a sixth of the steps it drafted
+        self.model_s: float | None = None
+        self.probe: tuple[int, int] = (0, PROBE_AFTER[0])  # steps sat out since the last probe, the wait
 
 
 class Learned:
     """What a fused method measured of its model part's drafts by the latest step on this export (per
     loaded export, as the adaptive policy's timings): a request starts from it, its added drafts moved
-    one step back toward the prior, and with its drafting time unmeasured (so it drafts once, and
-    measures), not from the prior, which takes several steps to be measured down where the part does
-    not pay. Step times by verify size are the export's (`StepCosts`): every request adds to them.
+    one step back toward the prior, its drafting time and its probes' wait as they were, not from the
+    prior, which takes several steps to be measured down where the part does not pay. Step times by
+    verify size are the export's (`StepCosts`): every request adds to them.
     The rest is kept per sampling scheme (`Measured`): the draft model agrees with the target's
     greedy token far more often than with its sample, and a seeded request that started from a greedy
     code request's measurements (the copy taking nearly everything, the model part adding little) sat
@@ -317,9 +323,6 @@ class FusedDrafter(Drafter):
         self.missed = [1.0, 0.5]  # the host's miss rate (1 - its first draft's acceptance) in those steps
         self.host_rows = 0.0  # the host part's placed nodes per step (running)
         self.last: list[PartProposal] = []  # this step's parts and their placement (tests read it)
-        # running seconds of the model part's drafting in a step after one it drafted (a skipped EAGLE
-        # head's catch-up is the price of having skipped)
-        self.model_s: float | None = None
         self.costs = self.learned.costs
         if learned.added is not None:
             self.added = [keep * a + (1 - keep) * prior for a in learned.added]
@@ -327,7 +330,10 @@ class FusedDrafter(Drafter):
         if learned.acceptance is not None:  # where the parts stood: this request's steps soon outweigh it
             self.acceptance, self.rates = list(learned.acceptance), [copy.deepcopy(r) for r in learned.rates]
         self._host_s, self._proposed_at, self._drafted, self._alone, self._own = 0.0, 0.0, False, False, False
-        self._sat_out, self._probe_wait, self._probing = 0, PROBE_AFTER[0], 0  # steps; the wait; probe steps left
+        # running seconds of the model part's drafting in a step after one it drafted (a skipped EAGLE
+        # head's catch-up is the price of having skipped), as the last request left them
+        self.model_s = learned.model_s
+        (self._sat_out, self._probe_wait), self._probing = learned.probe, 0  # steps; the wait; probe steps left
 
     def row_threshold(self) -> float:
         """A merged node's least worth: a verify row's cost in plain steps, the export's measured slope of a
@@ -479,4 +485,5 @@ class FusedDrafter(Drafter):
         learned = self._measured
         learned.added, learned.model_rows, learned.missed = list(self.added), list(self.model_rows), list(self.missed)
         learned.acceptance, learned.rates = self.acceptance, self.rates  # copied by the next request's start
+        learned.model_s, learned.probe = self.model_s, (self._sat_out, self._probe_wait)
         self.last = []

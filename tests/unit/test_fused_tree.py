@@ -416,6 +416,14 @@ class Taken(Fixed):
         return super().propose(state)
 
 
+class Slow(Fixed):
+    """A model part whose drafting takes 5 ms."""
+
+    def propose(self, state):
+        time.sleep(0.005)
+        return super().propose(state)
+
+
 def _step(d: FusedDrafter, s: DecodeState, taken: set[int], verify_s: float = 0.010) -> bool:
     """One step where the target takes the merged tree's leading tokens in `taken`, its verify call `verify_s` and
     1 ms a row more (0: no wait); whether the model part drafted."""
@@ -473,11 +481,6 @@ def test_the_merge_prices_a_row_at_the_exports_measured_cost_of_one():
 
 
 def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
-    class Slow(Fixed):
-        def propose(self, state):
-            time.sleep(0.005)
-            return super().propose(state)
-
     d, s = fused(Slow((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
     # the target never takes its drafts: after its first step (drafted to measure) they add nothing, and cost
     # 5 ms against a step's microseconds (a model part as fast as the step was left out or not by timing noise)
@@ -490,6 +493,21 @@ def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
     assert len(out) >= 3 and max(out) == PROBE_AFTER[1]
 
 
+def test_a_request_after_one_where_the_model_part_did_not_pay_does_not_draft_to_measure_it_again():
+    # short requests where the heads never pay: each drafted its first step (unmeasured) and probed after
+    # 8 steps out; now a request goes on from where the last left its drafting time and its probes' wait
+    d = fused(Slow((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05)
+    drafted = []
+    for _ in range(12):  # 12 requests of 20 steps
+        s = state()
+        d.start(s)
+        drafted.append([_step(d, s, set(), verify_s=0) for _ in range(20)])
+    assert drafted[0][0] and not any(r[0] for r in drafted[1:])  # only the first request drafts to measure
+    probes = sum(map(sum, drafted[1:])) // 2
+    # probes 8, 16, 32, 64 and 128 steps out apart over 220 steps: at most 4 (9 when each request started over)
+    assert 1 <= probes <= 4 and d.learned.schemes["greedy"].probe[1] >= 4 * PROBE_AFTER[0]
+
+
 def test_a_request_starts_from_what_the_last_one_measured_one_step_back_toward_the_prior():
     model, host = Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0, 1, 2), [80, 81, 82])
     d, s = fused(model, host, nodes=6, row_cost=0.05), state()
@@ -499,7 +517,7 @@ def test_a_request_starts_from_what_the_last_one_measured_one_step_back_toward_t
         s.tokens.extend([int(p.tokens[i]) for i in path[1:]] + [99])
         d.update(s, p, Verdict(path, 99), None)
     measured, missed = d.added[True], d.missed[True]
-    copy_rate, acceptance = d.rates[1].at(0), list(d.acceptance)
+    copy_rate, acceptance, model_s = d.rates[1].at(0), list(d.acceptance), d.model_s
     assert measured < 1.0 and copy_rate > 0.9  # the copy's first draft: taken every step, against 0.5 a priori
     d.start(state())  # the next request on the same export (build shares its Learned per method config)
     assert d.added == pytest.approx([1.0, 0.9 * measured + 0.1 * 1.0]) and d.missed[True] == missed
@@ -508,7 +526,7 @@ def test_a_request_starts_from_what_the_last_one_measured_one_step_back_toward_t
     assert d.rates[1].at(0) == copy_rate and d.acceptance == acceptance
     assert d.expected_added(True) == pytest.approx(d.added[True] * (1 - copy_rate) / missed)
     assert d.expected_added(True) < 0.1
-    assert d.model_s is None  # its times this request's own: it drafts once, and measures
+    assert d.model_s == model_s is not None  # its drafting time as measured: no first step drafted to measure it
     assert fused(model, host).added == [1.0, 1.0]  # a drafter of its own starts from the prior
     # a sampled request starts from its own scheme's measurements (none yet: the prior), not from greedy
     # ones, and shares the export's step times; the next greedy request still finds the greedy ones
