@@ -18,6 +18,18 @@ def _ids(text: str) -> list[int]:
         raise SpecDeployError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def thread_count(text: str) -> int:
+    """--threads: an argparse type (a bad value is argparse's one-line error, exit 2)."""
+    from .runtime.backends.ort import check_threads
+
+    try:
+        return check_threads(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    except SpecDeployError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _text(value: str | None, option: str) -> str | None:
     """A text option as the tokenizer can take it (bytes that are not UTF-8 reach argv as lone surrogates)."""
     from .runtime.tokenizer import check_text
@@ -84,6 +96,10 @@ def cmd_generate(args) -> int:
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
                      stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param),
                      adaptive=args.adaptive)
+    room = export.manifest.max_context - len(ids)
+    if args.max_new_tokens > room:  # the server refuses such a request (OpenAI's 400); a terminal user gets the text
+        print(f"note: the export's context ({export.manifest.max_context} tokens) leaves room for {room} new tokens "
+              f"after this {len(ids)}-token prompt: at most {room}, not {args.max_new_tokens}", file=sys.stderr)
     if args.json:
         result = gen.result()
         print(json.dumps(result.to_json()))
@@ -104,13 +120,17 @@ def cmd_demo(args) -> int:
     from .runtime.backends import use_shared_threads
     from .runtime.generate import Generation
     from .runtime.loaded_export import LoadedExport
+    from .runtime.methods import resolve_method
     from .runtime.sampling import SamplingParams
 
     use_shared_threads(args.threads)
     export = LoadedExport(args.out)
     ids = _prompt_ids(export, args)
     methods = args.methods.split(",") if args.methods else list(export.manifest.methods)
+    methods = [resolve_method(m.strip(), export) for m in methods]
     methods = ["ar"] + [m for m in methods if m != "ar"]  # the reference every method must match
+    for method in methods:  # every name checked before the first runs (a typo used to fail after minutes)
+        export.method_config(method)
 
     def run(method: str, tokens: int):
         # each method drafts from its own request only: no earlier method's answer in suffix's cache
@@ -135,15 +155,24 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _chat_ids(export, user: str, system: str | None) -> list[int]:
-    """A one-turn chat through the export's chat template (the renderer the server uses)."""
-    from .runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
+CHAT_TEMPLATE_TIMEOUT_S = 10.0  # a normal template renders in milliseconds
 
-    template = ChatTemplate.from_tokenizer_dir(export.tokenizer.directory)
-    if template is None:
+
+def _chat_ids(export, user: str, system: str | None) -> list[int]:
+    """A one-turn chat through the export's chat template, rendered as the server renders one: in a
+    child process with a time and memory limit (a template is a program that came with the model;
+    a runaway one was an out-of-memory kill here)."""
+    from .runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
+    from .serve.template_sandbox import TemplateSandbox
+
+    if ChatTemplate.from_tokenizer_dir(export.tokenizer.directory) is None:
         raise SpecDeployError("this export's tokenizer has no chat template (chat_template.jinja, chat_template.json "
                               "or tokenizer_config.json 'chat_template'); use --prompt")
-    return encode_rendered(export.tokenizer, template.render(chat_messages(user, system)))
+    sandbox = TemplateSandbox(export.tokenizer.directory, processes=1, timeout=CHAT_TEMPLATE_TIMEOUT_S)
+    try:
+        return encode_rendered(export.tokenizer, sandbox.render(chat_messages(user, system)))
+    finally:
+        sandbox.close()
 
 
 def cmd_check(args) -> int:
@@ -213,8 +242,10 @@ def cmd_engines(args) -> int:
 def cmd_tune_tree(args) -> int:
     from .runtime.backends import use_shared_threads
     from .runtime.loaded_export import LoadedExport
-    from .runtime.tree_tuning import read_prompts_file, tune, write_tree
+    from .runtime.tree_tuning import check_tree_out, read_prompts_file, tune, write_tree
 
+    out = args.out or Path(args.export) / f"tuned_tree_{args.method}.json"
+    check_tree_out(out)  # before the calibration: it runs for minutes
     use_shared_threads(args.threads)
     export = LoadedExport(args.export, backend=args.backend, threads=args.threads)
     if args.prompts is not None:
@@ -225,7 +256,6 @@ def cmd_tune_tree(args) -> int:
         texts = heldout_prompts(args.num_prompts, seed=1)
     result = tune(export, args.method, [export.tokenizer.encode(t) for t in texts], args.max_new_tokens,
                   args.max_nodes, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    out = args.out or Path(args.export) / f"tuned_tree_{args.method}.json"
     write_tree(out, args.method, result)
     print(f"wrote {out}: {len(result['paths'])} nodes (use it with `specdeploy export ... --tree {out}`)")
     return 0
@@ -298,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a setting of the method's exported config, e.g. --param max_ngram=2 (repeatable; "
                    f"values as in YAML). Keys: {_method_settings()}")
     g.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
-    g.add_argument("--threads", type=int, help="ONNX Runtime threads (default: the physical cores)")
+    g.add_argument("--threads", type=thread_count, help="ONNX Runtime threads (default: the physical cores)")
     g.add_argument("--graphs", default="auto", choices=["auto", "fused", "portable"],
                    help="decoder graphs on ort-cpu: fused (default where exported) or portable")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -315,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
                    help="speculate at every step (default: the export's adaptive policy)")
-    d.add_argument("--threads", type=int, help="ONNX Runtime threads (default: the physical cores)")
+    d.add_argument("--threads", type=thread_count, help="ONNX Runtime threads (default: the physical cores)")
     d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("check", help="polygraphy: every graph's ONNX Runtime outputs vs PyTorch float64, "
@@ -357,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (root excluded)")
     t.add_argument("--out", type=Path, help="tree file to write (default: EXPORT/tuned_tree_METHOD.json)")
     t.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
-    t.add_argument("--threads", type=int, help="ORT threads per session: time the graphs as you will serve them")
+    t.add_argument("--threads", type=thread_count,
+                   help="ORT threads per session: time the graphs as you will serve them")
     t.set_defaults(func=cmd_tune_tree)
 
     from .bench.cli import add_parser as add_bench_parser  # arguments + handler live in bench/

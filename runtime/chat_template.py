@@ -53,7 +53,10 @@ class ChatTemplate:
         config = _json_file(directory / "tokenizer_config.json")
         source = None
         if (directory / "chat_template.jinja").is_file():
-            source = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+            try:
+                source = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise SpecDeployError(f"chat_template.jinja in the tokenizer dir is not UTF-8 text: {exc}") from None
         elif (directory / "chat_template.json").is_file():
             source = _pick(_json_file(directory / "chat_template.json").get("chat_template"))
         if source is None:
@@ -70,7 +73,8 @@ class ChatTemplate:
                                         **self.special_tokens)
         except _TemplateRaised as exc:  # the template refused the conversation (e.g. roles must alternate)
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        # ArithmeticError: `1/0`, or the sandbox's OverflowError for a range over its MAX_RANGE
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
             raise ChatTemplateError(f"could not render the chat template for these messages: {exc}") from None
 
 

@@ -24,9 +24,14 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise SpecDeployError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise SpecDeployError(f"config {path} is not valid YAML: {exc}") from None
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:  # a binary file given by mistake (a .safetensors)
+        raise SpecDeployError(f"config {path} is not a YAML text file (not UTF-8)") from None
+    except yaml.YAMLError as exc:  # PyYAML's own message spans lines and quotes the source: one line instead
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise SpecDeployError(f"config {path} is not valid YAML{where}: "
+                              f"{getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(data, dict):
         raise SpecDeployError(f"config {path} must be a mapping at the top level")
     return data

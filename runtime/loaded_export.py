@@ -59,7 +59,8 @@ class LoadedExport:
                 self.backend = next(b for b in ("ort-trt", "ort-cuda", "ort-cpu") if b in available_backends())
         self.threads = threads
         self.tokenizer = TextTokenizer(self.manifest.root / self.manifest.tokenizer.get("dir", "tokenizer"))
-        self.methods = with_fused_methods(validate_methods(self.manifest.methods))
+        manifest_path = str(self.manifest.root / "manifest.json")
+        self.methods = with_fused_methods(validate_methods(self.manifest.methods, manifest_path))
         self.prefill_chunk = int(self.manifest.raw.get("prefill_chunk", ExportConfig.prefill_chunk))
         self._decoders: dict[str, Decoder] = {}
         self._parts: dict[str, object] = {}

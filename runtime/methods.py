@@ -84,8 +84,13 @@ def tunable_methods() -> list[str]:
     return [name for name, spec in REGISTRY.items() if spec.calibrate is not None]
 
 
-def validate_methods(methods: dict) -> dict:
-    """{name: mapping} (a manifest's or a config file's) -> {name: validated config}."""
+def validate_methods(methods: dict, manifest: str | None = None) -> dict:
+    """{name: mapping} (a config file's, or the `manifest` at that path's) -> {name: validated config}."""
+    if manifest is not None:  # the user chose no name there: "choose from" would mislead
+        for name in methods:
+            if name not in REGISTRY:
+                raise SpecDeployError(f"manifest {manifest} lists method {name!r}, which this version of specdeploy "
+                                      f"does not know (known: {', '.join(known_methods())}): re-export with it")
     return {name: method_spec(name).parse(params) for name, params in methods.items()}
 
 

@@ -95,7 +95,13 @@ class ExportPool:
                 )
             self._waiters.append(ticket)
         start = time.monotonic()
-        ticket.event.wait(timeout)
+        try:
+            ticket.event.wait(timeout)
+        except BaseException:  # a Ctrl-C while waiting: a ticket left queued would take the next free instance
+            self.withdraw(ticket)
+            if ticket.export is not None:  # handed over just before: give it back
+                self.release(ticket.export)
+            raise
         with self._lock:
             if ticket.export is not None:  # handed over (possibly just as the wait timed out)
                 return ticket.export

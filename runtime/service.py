@@ -14,6 +14,7 @@ See runtime/pool.py for why a pool of instances and what it costs in memory.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import time
@@ -124,9 +125,20 @@ class Service:
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
         if prompt is not None and not isinstance(prompt, str):
             raise SpecDeployError(f"prompt must be a string, got {type(prompt).__name__}")
-        ids = self.tokenizer.encode(prompt) if prompt is not None else list(prompt_ids or ())
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        if prompt_ids is not None and (isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__")):
+            raise SpecDeployError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
+        # (a numpy array of ids has no truth value: `prompt_ids or ()` would raise)
+        ids = self.tokenizer.encode(prompt) if prompt is not None else list(() if prompt_ids is None else prompt_ids)
+        # numbers.Integral: numpy's integers too (a tokenizer's return_tensors="np" output)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
             raise SpecDeployError("prompt_ids must be integers")
+        ids = [int(t) for t in ids]
+        # Checked before queueing: a bad timeout raised inside the pool's wait would strand its queue ticket.
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise SpecDeployError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        if ignore_eos not in (True, False):  # bool("no") is True: refuse rather than guess
+            raise SpecDeployError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         method = self.resolve(method)
         if method not in self.methods:
             raise SpecDeployError(self.method_message(method))

@@ -264,14 +264,41 @@ def read_prompts_file(path) -> list[str]:
     return texts
 
 
+TREE_SOURCE = "specdeploy tune-tree"  # what write_tree writes as "source": such a file may be overwritten
+
+
+def check_tree_out(path) -> None:
+    """Refuse an --out that write_tree must not replace, before the calibration (minutes) runs:
+    a directory, or an existing file that an earlier tune-tree did not write (the prompts file,
+    an export's manifest.json, ...: nothing the user gave is overwritten)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise SpecDeployError(f"--out {path} is a directory; give the tree file's name (e.g. {path / 'tree.json'})")
+    if path.exists():
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+        if not (isinstance(doc, dict) and doc.get("source") == TREE_SOURCE):
+            raise SpecDeployError(f"--out {path} exists and is not a tree written by `specdeploy tune-tree`; "
+                                  "refusing to overwrite it: choose another file")
+
+
 def write_tree(path, method: str, result: dict) -> None:
     """A tree file `--tree FILE` (and configs/trees/) accepts, with the calibration that chose it."""
     import json
     from pathlib import Path
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_tree_out(path)
     head = {"about": f"static {method} tree chosen by `specdeploy tune-tree` for this export and backend",
-            "source": "specdeploy tune-tree", "calibration": result["report"]}
+            "source": TREE_SOURCE, "calibration": result["report"]}
     paths = ",\n".join("  " + json.dumps(p) for p in result["paths"])  # one path per line: readable diffs
-    path.write_text(json.dumps(head)[:-1] + f', "paths": [\n{paths}\n]}}\n')
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(head)[:-1] + f', "paths": [\n{paths}\n]}}\n')
+    except OSError as exc:
+        raise SpecDeployError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -28,14 +28,14 @@ class ServeLimits:
         for name in ("max_model_len", "max_tokens", "max_concurrent_requests", "max_connections"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise SpecDeployError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+                raise SpecDeployError(f"{_option(name)} must be an integer >= 1, got {value!r}")
         for name in ("max_body_bytes", "max_stop", "max_stop_chars", "template_processes"):
             if getattr(self, name) < 1:
-                raise SpecDeployError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r}")
+                raise SpecDeployError(f"{_option(name)} must be >= 1, got {getattr(self, name)!r}")
         for name in ("body_timeout_s", "request_timeout_s", "template_timeout_s", "tokenize_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise SpecDeployError(f"{name.replace('_', '-')} must be > 0 seconds, got {value!r}")
+                raise SpecDeployError(f"{_option(name)} must be > 0 seconds, got {value!r}")
 
     def model_len(self, max_context: int) -> int:
         """The context a request may use; more than the export holds is refused at start-up."""
@@ -52,3 +52,8 @@ class ServeLimits:
     def connections(self, concurrent: int) -> int:
         """HTTP requests in progress at once (generation requests past `concurrent` get 429 first)."""
         return self.max_connections or concurrent + CONNECTION_HEADROOM
+
+
+def _option(field: str) -> str:
+    """A limit as `serve` spells it, and as the embedding API does: --template-timeout (template_timeout_s)."""
+    return f"--{field.removesuffix('_s').replace('_', '-')} ({field})"

@@ -84,6 +84,20 @@ def test_which_template_wins_and_none(micro_export, tmp_path):
         refusing.render(MESSAGES)
 
 
+def test_template_faults_are_template_errors(tmp_path):
+    """A template that divides by zero, loops past the sandbox's range limit or is not UTF-8 text:
+    one clear error (a 400 from the server), not an internal error."""
+    from specdeploy.runtime.chat_template import ChatTemplate, ChatTemplateError
+    from specdeploy.runtime.errors import SpecDeployError
+
+    for source in ("{{ 1 / 0 }}", "{% for i in range(10**6) %}{% endfor %}"):
+        with pytest.raises(ChatTemplateError, match="could not render the chat template"):
+            ChatTemplate(source).render(MESSAGES)
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    with pytest.raises(SpecDeployError, match="chat_template.jinja in the tokenizer dir is not UTF-8 text"):
+        ChatTemplate.from_tokenizer_dir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def chatml_export(micro_export, tmp_path_factory) -> Path:
     export = clone_export(micro_export, tmp_path_factory.mktemp("chat") / "chatml")
@@ -120,3 +134,15 @@ def test_cli_chat_errors(micro_export):
     assert proc.returncode == 2 and "no chat template" in proc.stderr
     proc = run_cli("generate", micro_export, "--prompt", "hi", "--system", "be brief")
     assert proc.returncode == 2 and "--system goes with --chat" in proc.stderr
+
+
+def test_cli_chat_with_a_runaway_template_is_one_clear_error(micro_export, tmp_path):
+    """The CLI renders in the server's sandbox (a child with a memory and time limit): a template whose
+    output grows without end is one line, not the CLI's own process killed for memory."""
+    export = clone_export(micro_export, tmp_path / "runaway")
+    (export / "tokenizer" / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{{ 'a' * 100000 }}{% endfor %}")
+    proc = run_cli("generate", export, "--chat", "hi", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the chat template"), lines

@@ -44,6 +44,18 @@ def test_generate_prompt_ids_equals_prompt_text(micro_export):
     assert json.loads(a.stdout.splitlines()[-1])["token_ids"] == json.loads(b.stdout.splitlines()[-1])["token_ids"]
 
 
+def test_generate_past_the_context_says_how_many_tokens_fit(micro_export):
+    """The server refuses such a request (400); the CLI generates what fits and says so on stderr."""
+    max_context = json.loads((micro_export / "manifest.json").read_text())["max_context"]
+    ids = ",".join(["42"] * (max_context - 3))
+    proc = run_cli("generate", micro_export, "--method", "ar", "--prompt-ids", ids, "--max-new-tokens", "10",
+                   "--ignore-eos", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert f"leaves room for 3 new tokens after this {max_context - 3}-token prompt: at most 3, not 10" in proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert len(result["token_ids"]) == 3 and result["finish_reason"] == "length"
+
+
 def test_streaming_text_to_stdout(micro_export):
     proc = run_cli("generate", micro_export, "--prompt", "def f(x):", "--max-new-tokens", "10", "--ignore-eos")
     assert proc.returncode == 0
@@ -127,6 +139,7 @@ def test_demo_runs_every_method_in_one_process_with_ar_tokens(micro_export):
     tokens compared with ar's; suffix's cross-request cache emptied between methods, so no method
     drafts an earlier method's answer."""
     from specdeploy.runtime.manifest import load_manifest
+    from specdeploy.runtime.methods import known_methods
 
     methods = list(load_manifest(micro_export).methods)
     proc = run_cli("demo", micro_export, "--prompt", "def f(x):\n    return", "--max-new-tokens", "16")
@@ -139,5 +152,9 @@ def test_demo_runs_every_method_in_one_process_with_ar_tokens(micro_export):
                     "--methods", "suffix,suffix")
     acceptance = [re.search(r"acceptance length ([\d.]+)", line).group(1) for line in twice.stdout.splitlines()]
     assert len(acceptance) == 3 and acceptance[1] == acceptance[2], twice.stdout
+    typo = run_cli("demo", micro_export, "--prompt", "x", "--methods", "prompt-lookup,bogus")
+    assert typo.returncode != 0 and typo.stdout == "", typo.stdout  # refused before ar runs
+    choices = ", ".join(known_methods())
+    assert typo.stderr.strip().splitlines() == [f"error: unknown method 'bogus' (choose from {choices})"]
     bad = run_cli("demo", micro_export, "--prompt", "x", "--system", "be brief")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --system goes with --chat")

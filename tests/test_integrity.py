@@ -354,6 +354,9 @@ HOSTILE = {
     "graph_name_traversal": (lambda m: m["graphs"].update({"../../x": m["graphs"]["target_t1"]}), "unusable name"),
     "head_dim_missing": (set_field("models", "draft", "head_dim", drop=True), "models.draft.head_dim is missing"),
     "check_failed": (set_field("check", value="failed"), "did not pass its accuracy check"),
+    # an export from another version: named as the manifest's, not as a name the user chose from a list
+    "method_unknown": (lambda m: m["methods"].update(telepathy={}),
+                       "lists method 'telepathy', which this version of specdeploy does not know (known: ar, "),
 }
 
 

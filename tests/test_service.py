@@ -192,6 +192,27 @@ def test_bad_requests_raise_before_queueing(export_dir):
         Service.load(export_dir, pool_size=0)
 
 
+def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
+    """A timeout of the wrong type used to raise inside the pool's wait with the request's ticket still
+    queued: the next free instance went to it and never came back (every later request: BusyError)."""
+    import numpy as np
+
+    svc = Service.load(export_dir, pool_size=1, queue_size=2, queue_timeout=5)
+    held = svc.stream("hold", max_new_tokens=3)  # holds the only instance: a request would queue
+    for kwargs, match in [(dict(timeout="x"), "timeout"), (dict(timeout=float("nan")), "timeout"),
+                          (dict(ignore_eos="no"), "ignore_eos"),
+                          (dict(prompt=None, prompt_ids=5), "list of token ids")]:
+        with pytest.raises(SpecDeployError, match=match):
+            svc.request(**{"prompt": "x", **kwargs})
+    with pytest.raises(TypeError):  # the pool itself, interrupted in its wait, withdraws the ticket
+        svc.pool.acquire("x")
+    held.close()
+    assert svc.pool.in_use == 0 and svc.pool.waiting == 0
+    ids = svc.tokenizer.encode("def f():")
+    want = svc.generate(prompt_ids=ids, max_new_tokens=3).token_ids
+    assert svc.generate(prompt_ids=np.array(ids), max_new_tokens=3).token_ids == want  # numpy ids are ids
+
+
 def test_async_bridge(export_dir):
     svc = Service.load(export_dir, pool_size=1, queue_size=0)
     # long enough that the first request still holds the instance when the second asks (the micro

@@ -6,6 +6,7 @@ Sessions are shared by every graph object that runs the same graph the same way
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,19 @@ ORT_PROVIDERS = {
     "ort-cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
     "ort-trt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
+
+
+MAX_THREADS_PER_CPU = 8  # past it ONNX Runtime's spinning threads only slow each other; 99999 hung at pool creation
+
+
+def check_threads(threads) -> int | None:
+    """A thread count as given (None: ORT's default, the physical cores), or one clear error."""
+    most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= most):
+        raise SpecDeployError(f"threads must be an integer from 1 to {most} ({MAX_THREADS_PER_CPU} per logical CPU "
+                              f"of this machine), got {threads!r}")
+    return threads
 
 
 def use_shared_threads(threads: int | None = None) -> bool:
@@ -38,6 +52,7 @@ def use_shared_threads(threads: int | None = None) -> bool:
     per-session).
     """
     global _THREADING
+    check_threads(threads)
     if _THREADING is None:
         import onnxruntime.capi._pybind_state as ort_state
 
@@ -62,6 +77,7 @@ def session_options(threads: int | None):
     """ORT options every session of ours uses (see use_shared_threads for the thread pools)."""
     import onnxruntime as ort
 
+    check_threads(threads)
     use_per_session_threads()  # no-op when the shared pool was chosen first
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from conftest import run_cli
 
 
@@ -28,3 +31,50 @@ def test_serve_on_a_port_it_cannot_listen_on(tmp_path):
             lines = proc.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"error: cannot listen on {host}:{port}: "), lines
             assert reason in lines[0]
+
+
+def test_tune_tree_never_overwrites_an_input(tmp_path):
+    """--out is checked before the export loads and the calibration runs: an existing file that
+    tune-tree did not write (the prompts, an export's manifest) is refused and left as it was."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text('["def f():"]')
+    (tmp_path / "trees").mkdir()
+    refusals = ((prompts, "is not a tree written by `specdeploy tune-tree`"), (tmp_path / "trees", "is a directory"))
+    for out, reason in refusals:
+        proc = run_cli("tune-tree", tmp_path / "never-loaded", "--prompts", prompts, "--out", out)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}") and reason in lines[0], lines
+    assert prompts.read_text() == '["def f():"]'
+
+
+def test_threads_out_of_range_is_refused(tmp_path):
+    """--threads 99999 hung (ONNX Runtime creating and spinning that many threads); 0 and negatives were
+    taken silently. Refused by the parser, before anything loads."""
+    for command in (["generate", tmp_path / "never-loaded", "--prompt", "x"], ["serve", tmp_path / "never-loaded"]):
+        for threads in ("0", "-2", "99999"):
+            proc = run_cli(*command, f"--threads={threads}", timeout=60)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            assert proc.stderr.strip().splitlines()[-1].endswith(
+                f"argument --threads: threads must be an integer from 1 to {8 * (os.cpu_count() or 1)} (8 per "
+                f"logical CPU of this machine), got {threads}"), proc.stderr
+
+
+def test_threads_are_checked_where_the_runtime_takes_them():
+    """The embedding API and the bench reach ONNX Runtime's pools without the CLI's parser."""
+    from specdeploy.runtime.backends.ort import check_threads, session_options
+    from specdeploy.runtime.errors import SpecDeployError
+
+    assert check_threads(None) is None and check_threads(2) == 2
+    for bad in (0, -1, 10**6, 2.0, True, "2"):
+        with pytest.raises(SpecDeployError, match="threads must be an integer from 1 to"):
+            session_options(bad)
+
+
+def test_a_bad_serve_limit_names_the_option_it_came_from(tmp_path):
+    """The limits are checked before the export loads, and named as `serve` spells them (the message named
+    template-timeout-s, which no option is called), with the embedding API's field beside it."""
+    proc = run_cli("serve", tmp_path / "never-loaded", "--template-timeout", "0", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --template-timeout (template_timeout_s) must be > 0 seconds, got 0.0"], proc.stderr

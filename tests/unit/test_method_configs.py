@@ -65,6 +65,18 @@ def test_export_defaults_and_overrides(tmp_path):
         load_export_config(user)
 
 
+def test_config_file_that_is_not_yaml_text_is_one_line(tmp_path):
+    """A binary file given as --config, or broken YAML: one line, not a decode error or PyYAML's excerpt."""
+    user = tmp_path / "user.yaml"
+    user.write_bytes(b"\xa0\x01\x02 weights")
+    with pytest.raises(SpecDeployError, match=r"is not a YAML text file \(not UTF-8\)"):
+        load_export_config(user)
+    user.write_text("max_context: [1\n")
+    with pytest.raises(SpecDeployError, match=r"is not valid YAML at line 2, column 1: expected") as err:
+        load_export_config(user)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("name,key", [(n, k) for n in SHIPPED for k in ("bogus", "tree_path")])
 def test_unknown_key_is_rejected_by_every_method(name, key):
     with pytest.raises(SpecDeployError) as err:
