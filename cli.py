@@ -18,18 +18,6 @@ def _ids(text: str) -> list[int]:
         raise SpecDeployError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def thread_count(text: str) -> int:
-    """--threads: an argparse type (a bad value is argparse's one-line error, exit 2)."""
-    from .runtime.backends.ort import check_threads
-
-    try:
-        return check_threads(int(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    except SpecDeployError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _text(value: str | None, option: str) -> str | None:
     """A text option as the tokenizer can take it (bytes that are not UTF-8 reach argv as lone surrogates)."""
     from .runtime.tokenizer import check_text
@@ -268,6 +256,7 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .runtime.backends.ort import thread_count
     from .runtime.methods import known_methods, tunable_methods
 
     p = argparse.ArgumentParser(prog="specdeploy", description="Speculative decoding: export, check, generate.")

@@ -19,10 +19,16 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"  # shipped overrides, overlaid by the user's --config file
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; a weights file given by mistake is not read whole
+
+
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise SpecDeployError(f"config file not found: {path}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise SpecDeployError(f"config {path} is {path.stat().st_size:,} bytes, not a config file "
+                              f"(at most {MAX_CONFIG_BYTES:,})")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:  # a binary file given by mistake (a .safetensors)
@@ -30,8 +36,8 @@ def load_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as exc:  # PyYAML's own message spans lines and quotes the source: one line instead
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise SpecDeployError(f"config {path} is not valid YAML{where}: "
-                              f"{getattr(exc, 'problem', None) or exc}") from None
+        problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]  # a ReaderError (NUL bytes) has none
+        raise SpecDeployError(f"config {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise SpecDeployError(f"config {path} must be a mapping at the top level")
     return data

@@ -21,6 +21,7 @@ Admission is bounded on both sides: at most `size` requests run, at most `queue_
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections import deque
@@ -43,17 +44,25 @@ class Ticket:
         self.withdrawn = False
 
 
+def check_wait(seconds, what: str) -> float:
+    """Seconds a queue wait may take, as threading's waits accept them (past TIMEOUT_MAX, about 292
+    years, Event.wait raised OverflowError inside the wait: `inf` too), or one clear error."""
+    if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+            or not 0 <= float(seconds) <= threading.TIMEOUT_MAX):
+        raise SpecDeployError(f"{what} must be a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, "
+                              f"got {seconds!r}")
+    return float(seconds)
+
+
 class ExportPool:
     def __init__(self, exports: list, queue_size: int = 0, queue_timeout: float = 30.0):
         if not exports:
             raise SpecDeployError("an export pool needs at least one instance")
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
             raise SpecDeployError(f"queue size must be an integer >= 0, got {queue_size!r}")
-        if not queue_timeout >= 0:
-            raise SpecDeployError(f"queue timeout must be >= 0 seconds, got {queue_timeout!r}")
+        self.queue_timeout = check_wait(queue_timeout, "queue timeout")
         self.exports = list(exports)
         self.queue_size = queue_size
-        self.queue_timeout = float(queue_timeout)
         self._free = list(exports)  # a stack: the most recently used instance is reused first (warm caches)
         self._leased: set[int] = set()
         self._waiters: deque[Ticket] = deque()

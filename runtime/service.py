@@ -26,7 +26,7 @@ from .errors import SpecDeployError
 from .generate import Generation, GenerationResult, TokenEvent, validate_request
 from .loaded_export import LoadedExport
 from .methods import AUTO, resolve_method
-from .pool import BusyError, ExportPool, Ticket
+from .pool import BusyError, ExportPool, Ticket, check_wait
 from .sampling import SamplingParams
 
 __all__ = ["Service", "Request", "BusyError", "TokenEvent"]
@@ -134,9 +134,8 @@ class Service:
             raise SpecDeployError("prompt_ids must be integers")
         ids = [int(t) for t in ids]
         # Checked before queueing: a bad timeout raised inside the pool's wait would strand its queue ticket.
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):
-            raise SpecDeployError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        if timeout is not None:
+            timeout = check_wait(timeout, "timeout")
         if ignore_eos not in (True, False):  # bool("no") is True: refuse rather than guess
             raise SpecDeployError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         method = self.resolve(method)

@@ -265,6 +265,7 @@ def read_prompts_file(path) -> list[str]:
 
 
 TREE_SOURCE = "specdeploy tune-tree"  # what write_tree writes as "source": such a file may be overwritten
+MAX_TREE_BYTES = 1 << 20
 
 
 def check_tree_out(path) -> None:
@@ -277,9 +278,11 @@ def check_tree_out(path) -> None:
     path = Path(path)
     if path.is_dir():
         raise SpecDeployError(f"--out {path} is a directory; give the tree file's name (e.g. {path / 'tree.json'})")
+    if path.exists() and not path.is_file():  # a device or a pipe (/dev/stdout): reading it could block
+        raise SpecDeployError(f"--out {path} is not a regular file; give the tree file's name")
     if path.exists():
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
+        try:  # a tree file is kilobytes: a big file (a model given by mistake) is not read whole
+            doc = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= MAX_TREE_BYTES else None
         except (OSError, ValueError):
             doc = None
         if not (isinstance(doc, dict) and doc.get("source") == TREE_SOURCE):

@@ -54,6 +54,9 @@ class ServeLimits:
         return self.max_connections or concurrent + CONNECTION_HEADROOM
 
 
+API_ONLY = {"template_processes"}  # limits `serve` has no option for
+
+
 def _option(field: str) -> str:
     """A limit as `serve` spells it, and as the embedding API does: --template-timeout (template_timeout_s)."""
-    return f"--{field.removesuffix('_s').replace('_', '-')} ({field})"
+    return field if field in API_ONLY else f"--{field.removesuffix('_s').replace('_', '-')} ({field})"

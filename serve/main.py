@@ -141,7 +141,7 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; beyond: 429")
     s.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait; then 429")
     s.add_argument("--backend", default="auto", help="ort-cpu | ort-cuda | ort-trt | trt | auto")
-    from ..cli import thread_count  # cli.py builds this parser: loaded already
+    from ..runtime.backends.ort import thread_count
 
     s.add_argument("--threads", type=thread_count, help="ONNX Runtime threads, one pool shared by all workers "
                    "(default: the physical cores)")

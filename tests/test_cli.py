@@ -153,7 +153,7 @@ def test_demo_runs_every_method_in_one_process_with_ar_tokens(micro_export):
     acceptance = [re.search(r"acceptance length ([\d.]+)", line).group(1) for line in twice.stdout.splitlines()]
     assert len(acceptance) == 3 and acceptance[1] == acceptance[2], twice.stdout
     typo = run_cli("demo", micro_export, "--prompt", "x", "--methods", "prompt-lookup,bogus")
-    assert typo.returncode != 0 and typo.stdout == "", typo.stdout  # refused before ar runs
+    assert typo.returncode == 2 and typo.stdout == "", typo.stdout  # refused before ar runs
     choices = ", ".join(known_methods())
     assert typo.stderr.strip().splitlines() == [f"error: unknown method 'bogus' (choose from {choices})"]
     bad = run_cli("demo", micro_export, "--prompt", "x", "--system", "be brief")

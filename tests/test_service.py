@@ -199,13 +199,18 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
 
     svc = Service.load(export_dir, pool_size=1, queue_size=2, queue_timeout=5)
     held = svc.stream("hold", max_new_tokens=3)  # holds the only instance: a request would queue
+    # inf and 1e10 passed a `>= 0` check and raised OverflowError inside Event.wait
     for kwargs, match in [(dict(timeout="x"), "timeout"), (dict(timeout=float("nan")), "timeout"),
+                          (dict(timeout=float("inf")), "timeout must be a number of seconds from 0 to"),
+                          (dict(timeout=1e10), "timeout must be a number of seconds from 0 to"),
                           (dict(ignore_eos="no"), "ignore_eos"),
                           (dict(prompt=None, prompt_ids=5), "list of token ids")]:
         with pytest.raises(SpecDeployError, match=match):
             svc.request(**{"prompt": "x", **kwargs})
     with pytest.raises(TypeError):  # the pool itself, interrupted in its wait, withdraws the ticket
         svc.pool.acquire("x")
+    with pytest.raises(SpecDeployError, match="queue timeout must be a number of seconds from 0 to"):
+        Service.load(export_dir, queue_timeout=float("inf"))
     held.close()
     assert svc.pool.in_use == 0 and svc.pool.waiting == 0
     ids = svc.tokenizer.encode("def f():")

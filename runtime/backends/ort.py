@@ -6,6 +6,7 @@ Sessions are shared by every graph object that runs the same graph the same way
 
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,26 @@ MAX_THREADS_PER_CPU = 8  # past it ONNX Runtime's spinning threads only slow eac
 def check_threads(threads) -> int | None:
     """A thread count as given (None: ORT's default, the physical cores), or one clear error."""
     most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or not 1 <= threads <= most):
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)
+                                or not 1 <= int(threads) <= most):
         raise SpecDeployError(f"threads must be an integer from 1 to {most} ({MAX_THREADS_PER_CPU} per logical CPU "
                               f"of this machine), got {threads!r}")
-    return threads
+    return None if threads is None else int(threads)
+
+
+def thread_count(text: str) -> int:
+    """--threads of the CLI's commands and of serve: an argparse type (a bad value is argparse's one-line
+    error, exit 2)."""
+    import argparse
+
+    try:
+        count = check_threads(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    except SpecDeployError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert count is not None
+    return count
 
 
 def use_shared_threads(threads: int | None = None) -> bool:

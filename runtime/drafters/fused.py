@@ -261,7 +261,8 @@ class Measured:
         # requests had found; on short requests where it does not pay (suffix's copies on the
         # repeated set, 30 steps a request) those were a sixth of the steps it drafted
         self.model_s: float | None = None
-        self.probe: tuple[int, int] = (0, PROBE_AFTER[0])  # steps sat out since the last probe, the wait
+        # steps sat out since the last probe, the wait, the probe's steps left (one cut by a request's end goes on)
+        self.probe: tuple[int, int, int] = (0, PROBE_AFTER[0], 0)
 
 
 class Learned:
@@ -333,7 +334,7 @@ class FusedDrafter(Drafter):
         # running seconds of the model part's drafting in a step after one it drafted (a skipped EAGLE
         # head's catch-up is the price of having skipped), as the last request left them
         self.model_s = learned.model_s
-        (self._sat_out, self._probe_wait), self._probing = learned.probe, 0  # steps; the wait; probe steps left
+        self._sat_out, self._probe_wait, self._probing = learned.probe  # steps; the wait; probe steps left
 
     def row_threshold(self) -> float:
         """A merged node's least worth: a verify row's cost in plain steps, the export's measured slope of a
@@ -485,5 +486,5 @@ class FusedDrafter(Drafter):
         learned = self._measured
         learned.added, learned.model_rows, learned.missed = list(self.added), list(self.model_rows), list(self.missed)
         learned.acceptance, learned.rates = self.acceptance, self.rates  # copied by the next request's start
-        learned.model_s, learned.probe = self.model_s, (self._sat_out, self._probe_wait)
+        learned.model_s, learned.probe = self.model_s, (self._sat_out, self._probe_wait, self._probing)
         self.last = []

@@ -78,3 +78,17 @@ def test_a_bad_serve_limit_names_the_option_it_came_from(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: --template-timeout (template_timeout_s) must be > 0 seconds, got 0.0"], proc.stderr
+
+
+def test_every_serve_limit_is_named_by_an_option_serve_has():
+    """A limit's error names `serve`'s option for it; a limit with none (API_ONLY) is named by its field."""
+    from dataclasses import fields
+
+    from specdeploy.cli import build_parser
+    from specdeploy.serve.limits import API_ONLY, ServeLimits, _option
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    options = {o for action in serve._actions for o in action.option_strings}
+    for field in fields(ServeLimits):
+        named = _option(field.name).split()[0]
+        assert named == field.name if field.name in API_ONLY else named in options, (field.name, named)

@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from specdeploy.runtime.config import ExportConfig, load_export_config, to_dict, with_overrides
+from specdeploy.runtime.config import MAX_CONFIG_BYTES, ExportConfig, load_export_config, to_dict, with_overrides
 from specdeploy.runtime.drafters.medusa import MedusaConfig
 from specdeploy.runtime.drafters.suffix import SuffixConfig
 from specdeploy.runtime.errors import SpecDeployError
@@ -75,6 +75,14 @@ def test_config_file_that_is_not_yaml_text_is_one_line(tmp_path):
     with pytest.raises(SpecDeployError, match=r"is not valid YAML at line 2, column 1: expected") as err:
         load_export_config(user)
     assert "\n" not in str(err.value)
+    user.write_bytes(b"max_context: \x00\n")  # UTF-8, but PyYAML's reader refuses NUL: its message has no `problem`
+    with pytest.raises(SpecDeployError, match=r"is not valid YAML: unacceptable character #x0000") as err:
+        load_export_config(user)
+    assert "\n" not in str(err.value)
+    with open(user, "wb") as f:  # a weights file given by mistake: refused by its size, not read whole
+        f.truncate(MAX_CONFIG_BYTES + 1)
+    with pytest.raises(SpecDeployError, match=r"bytes, not a config file \(at most 1,048,576\)"):
+        load_export_config(user)
 
 
 @pytest.mark.parametrize("name,key", [(n, k) for n in SHIPPED for k in ("bogus", "tree_path")])

@@ -4,10 +4,12 @@ the greedy construction is optimal per size, and the chosen tree trades acceptan
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 
+from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.tree_tuning import TimeModel, choose_tree, empirical_expected_tokens, greedy_order
 
 
@@ -36,3 +38,20 @@ def test_choose_tree_trades_acceptance_for_time():
     # Greedy acceptance of recorded steps: the longest tree path along the actual ranks, plus the bonus.
     matched = [(0, 0, 2), (1, 0), (2,), ()]
     assert empirical_expected_tokens([[0], [0, 0], [1]], matched) == pytest.approx((3 + 2 + 1 + 1) / 4)
+
+
+def test_tree_out_that_is_no_tree_file_is_refused_unread(tmp_path):
+    """tune-tree's --out: a device or pipe is never opened (reading /dev/stdout could block), a big file
+    (a model given by mistake) is not read whole, and neither is overwritten."""
+    from specdeploy.runtime.tree_tuning import MAX_TREE_BYTES, TREE_SOURCE, check_tree_out
+
+    with pytest.raises(SpecDeployError, match="--out /dev/null is not a regular file"):
+        check_tree_out("/dev/null")
+    big = tmp_path / "model.onnx"
+    with open(big, "wb") as f:
+        f.truncate(MAX_TREE_BYTES + 1)
+    with pytest.raises(SpecDeployError, match="is not a tree written by `specdeploy tune-tree`"):
+        check_tree_out(big)
+    ours = tmp_path / "tree.json"
+    ours.write_text(json.dumps({"source": TREE_SOURCE, "paths": [[0]]}))
+    check_tree_out(ours)  # one it wrote may be replaced
