@@ -15,7 +15,8 @@ decode rows; all measured (`CostModel`: at start-up by `calibrate`, then scaled 
 call the scheduler runs to the machine's current load); draft: the method's measured time
 to propose (an EAGLE or draft model's calls run on the same cores as the target's, and the
 row is not ready for the call until it is done; a draft model's per draft, k of them: its
-stop rule, not k, sizes its chain); n: the rows running. E(k): the tokens a
+stop rule, not k, sizes its chain; a fused drafter's model part prices itself at the batch's
+rates, `price`, and is not charged here again); n: the rows running. E(k): the tokens a
 step of k drafts yields, 1 + S(1) + ... + S(k), from the row's measured acceptance (S(j):
 the chance that at least j drafts are accepted, recent steps weighing most, the method's
 over all rows as the prior: `Acceptance`). With one row this is the batch-1 rule (speculate
@@ -34,7 +35,7 @@ import time
 
 import numpy as np
 
-from ..drafters.base import DecodeState, Drafter, Proposal
+from ..drafters.base import BatchPrice, DecodeState, Drafter, Proposal
 from ..tree import Tree
 from .gate import SpeculationGate
 
@@ -273,6 +274,14 @@ class SpeculationPolicy:
             return 1  # a probe
         return best_k
 
+    def price(self, rows: int) -> BatchPrice | None:
+        """A row's drafting in seconds of the batch's call with `rows` running (a drafter that decides itself
+        whether to call its model weighs it so: drafters/fused.py); None for a row alone (its calls are its
+        own: the batch-1 rules hold) or with the policy off."""
+        if not self.enabled or rows <= 1:
+            return None
+        return BatchPrice(rows, self.costs.call_s(rows) / rows, self.costs.token_s(), self.costs.run_s)
+
     def observe(self, method: str, accepted: int, drafted: int) -> None:
         with self._lock:
             self.methods.setdefault(method, Acceptance(METHOD_DECAY)).add(accepted, drafted)
@@ -348,11 +357,12 @@ class LoadAwareDrafter(Drafter):
             k = 0
         if k == 0:
             return Proposal.root_only(state.tokens[-1])
+        self.inner.batch_price = self.policy.price(max(1, self.batcher.active))
         start = time.perf_counter()
         proposal = self.inner.propose(state)
         seconds = time.perf_counter() - start
-        if not per_draft:
-            self.policy.observe_draft(self.name, seconds)
+        if not per_draft:  # less what the drafter priced itself (a fused drafter's model part: drafters/fused.py)
+            self.policy.observe_draft(self.name, max(0.0, seconds - self.inner.self_priced_s))
             return truncated(proposal, k)
         # A draft model: the policy said whether to draft; its own stop rule says how many (it drafts
         # long runs where it is confident, which a k fitted to its average acceptance cut short: one

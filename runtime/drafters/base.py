@@ -60,6 +60,18 @@ class Proposal:
                 np.concatenate([positions, start + np.asarray(self.aux_positions, dtype=np.int64)]), mask)
 
 
+@dataclass(frozen=True)
+class BatchPrice:
+    """What a row's drafting costs in a batch of several rows (runtime/batching/policy.py), in seconds
+    of the batch's call: every row waits while one drafts, so a token it adds is worth the batch's
+    plain seconds per token, not its own step's."""
+
+    rows: int  # the rows sharing the call (n): a probe of the model part holds every one of them up
+    token_s: float  # seconds per token the batch makes decoding plainly: call(n) / n
+    row_s: float  # seconds a verify row adds to the call
+    run_s: float  # what a row's step costs more as a run of its own (a speculative step) than as a decode row
+
+
 @dataclass
 class DecodeState:
     tokens: list[int]  # prompt + everything committed; tokens[-1] is the root
@@ -92,6 +104,12 @@ class Drafter:
     # and its first call when that fed more than the root and the last draft (seconds, tokens): the
     # catch-up on tokens committed in plain steps, which a probe after many of them pays first
     catchup: tuple[float, int] = (0.0, 0)
+    # Set by a batched service's row before each proposal while other rows share its calls (None at batch 1
+    # and for a row alone): a drafter that decides itself whether to call a model (fused) weighs it there.
+    batch_price: BatchPrice | None = None
+    # seconds of the latest proposal spent on model calls the drafter decided on by its own pricing (a fused
+    # drafter's model part): a batch's policy, which prices the rest of a proposal, must not charge them again
+    self_priced_s: float = 0.0
 
     def prefilled(self, target_out: StepOutput) -> None:
         """One chunk of the prompt's target prefill (before start()); EAGLE keeps its features."""

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from specdeploy.runtime.drafters.base import DecodeState, Drafter, Proposal
+from specdeploy.runtime.drafters.base import BatchPrice, DecodeState, Drafter, Proposal
 from specdeploy.runtime.drafters.fused import (
     PROBE_AFTER,
     EagleSuffixConfig,
@@ -188,6 +188,25 @@ def test_lazy_weighs_the_model_parts_drafting_time_against_what_it_buys():
     d.model_s = 0.6  # 3 per 1.6 s do not
     assert not d.model_worth_it() and paths(d.propose(state())) == {(80,)}
     assert fused(model, host, nodes=6, lazy=False).propose(state()).tree.size == 4  # never left out
+
+
+def test_in_a_batch_of_several_rows_the_model_part_is_priced_in_the_batchs_seconds():
+    """Every row waits while one drafts: in a batch its drafts are worth the batch's plain seconds per token,
+    whatever they would buy its own step (runtime/batching/policy.py sets the price; None for a row alone)."""
+    d = fused(Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0), [80]), nodes=6)
+    for t in range(1, 16):
+        d.costs.observe(t, 1.0)
+    d.acceptance, d.model_s = [2.0, 1.0], 0.2
+    assert d.model_worth_it() and (70,) in paths(d.propose(state()))  # at its own step's rate it pays
+    added = d.expected_added(True)
+    assert 0.5 < added < 2
+    d.batch_price = BatchPrice(rows=2, token_s=0.2 / added, row_s=0.01, run_s=0.05)  # worth 0.2 s: not 0.2 s + a row
+    assert not d.pays_in_batch(True, d.batch_price) and paths(d.propose(state())) == {(80,)}
+    d.batch_price = BatchPrice(rows=2, token_s=0.3 / added, row_s=0.01, run_s=0.05)  # a dearer token: 0.3 s > 0.21 s
+    assert d.pays_in_batch(True, d.batch_price) and (70,) in paths(d.propose(state()))
+    # without a copy the model part's step is a run of its own too
+    alone = BatchPrice(rows=2, token_s=0.25 / d.expected_added(False), row_s=0.01, run_s=0.05)
+    assert not d.pays_in_batch(False, alone)
 
 
 def test_a_step_the_model_part_sits_out_is_the_host_parts_own_step_sized_as_it_sizes_it_alone():
@@ -491,6 +510,16 @@ def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
     out = [b - a - 2 for a, b in zip(starts[1:], starts[2:])]  # steps out between probes
     assert starts[1] - 1 == PROBE_AFTER[0] and out == [2 ** i * PROBE_AFTER[0] for i in range(1, len(out) + 1)]
     assert len(out) >= 3 and max(out) == PROBE_AFTER[1]
+
+
+def test_in_a_batch_each_row_probes_as_rarely_as_the_rows_sharing_the_call():
+    """Every row of a batch waits on one row's probe: with 4 rows a row's first probe comes after 4 x
+    PROBE_AFTER[0] steps out, so the batch probes about as often as one row alone would."""
+    d, s = fused(Slow((-1, 0, 1), [70, 71]), Fixed((-1,), []), nodes=6, row_cost=0.05), state()
+    d.batch_price = BatchPrice(rows=4, token_s=1e-4, row_s=1e-5, run_s=1e-5)  # a token is worth far less than 5 ms
+    drafted = [_step(d, s, set(), verify_s=0) for _ in range(4 * PROBE_AFTER[0] + 4)]
+    assert drafted[0] and not any(drafted[1 : 4 * PROBE_AFTER[0] + 1])  # measured once, then out
+    assert drafted[4 * PROBE_AFTER[0] + 1 : 4 * PROBE_AFTER[0] + 3] == [True, True]  # the probe's two steps
 
 
 def test_a_request_after_one_where_the_model_part_did_not_pay_does_not_draft_to_measure_it_again():
