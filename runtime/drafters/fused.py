@@ -493,6 +493,9 @@ class FusedDrafter(Drafter):
         hosted = host.proposal.tree.size > 1 and not self._alone  # a copy left out: a step the model drafted alone
         # the step's nodes the host placed (the root's included): all of them in a step of its own
         hosts = set(range(proposal.size)) if self._own else set(host.merged.values()) if hosted else {0}
+        # as verified: a batch's policy may have cut the merged tree to its first nodes (policy.truncated), and
+        # the host's nodes it cut counted as rows the model part had not added (its rows went below zero)
+        hosts = {node for node in hosts if node < proposal.tree.size}
         if hosted:
             self.host_rows = keep * self.host_rows + (1 - keep) * (len(hosts) - 1)
         if model.proposal.tree.size > 1 or model.proposal.aux_tokens is not None:

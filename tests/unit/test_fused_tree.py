@@ -512,6 +512,22 @@ def test_a_model_part_that_never_pays_is_probed_ever_more_rarely():
     assert len(out) >= 3 and max(out) == PROBE_AFTER[1]
 
 
+def test_a_proposal_the_batch_cut_counts_only_the_rows_it_verified():
+    """A batch's policy may verify only the merged tree's first nodes (policy.truncated): the model part's rows
+    are its nodes among those, never the host's nodes the cut left out (they drove its rows below zero)."""
+    from specdeploy.runtime.batching.policy import truncated
+    from specdeploy.runtime.drafters.acceptance import DECAY
+
+    d, s = fused(Fixed((-1, 0, 1), [70, 71]), Fixed((-1, 0, 1, 2), [80, 81, 82]), nodes=6, lazy=False), state()
+    for _ in range(4):
+        p = truncated(d.propose(s), 2)
+        ours = sum(int(t) in (70, 71) for t in p.tokens[1:])
+        before = d.model_rows[1]
+        s.tokens.append(99)
+        d.update(s, p, Verdict([0], 99), None)
+        assert d.model_rows[1] == pytest.approx(DECAY * before + (1 - DECAY) * ours) and d.model_rows[1] >= 0
+
+
 def test_in_a_batch_each_row_probes_as_rarely_as_the_rows_sharing_the_call():
     """Every row of a batch waits on one row's probe: with 4 rows a row's first probe comes after 4 x
     PROBE_AFTER[0] steps out, so the batch probes about as often as one row alone would."""
