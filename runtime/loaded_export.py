@@ -22,7 +22,7 @@ from .decoder import Decoder
 from .errors import SpecDeployError
 from .graph_contract import FUSED, PORTABLE, TARGET
 from .manifest import load_manifest
-from .methods import AUTO, REGISTRY, build_drafter, method_spec, validate_methods
+from .methods import AUTO, REGISTRY, build_drafter, method_spec, resolve_method, validate_methods
 from .tokenizer import TextTokenizer
 
 FLAVOR_CHOICES = ("auto", FUSED, PORTABLE)
@@ -126,7 +126,8 @@ class LoadedExport:
 
     def method_config(self, method: str, overrides: dict | None = None):
         """The exported config of `method` (validated when the manifest loaded), or a new one
-        with a request's `overrides` applied (validated then)."""
+        with a request's `overrides` applied (validated then). `auto`: the export's recommended method's."""
+        method = resolve_method(method, self)
         if method not in REGISTRY:  # name what this export can run, `auto` included, not every known method
             raise SpecDeployError(f"unknown method {method!r} (this export has: {', '.join([AUTO, *self.methods])})")
         spec = method_spec(method)

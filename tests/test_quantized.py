@@ -165,6 +165,9 @@ def test_auto_runs_prompt_lookup_on_a_quantized_target(quantized):
     auto = Generation(export, ids, method="auto", max_new_tokens=16, ignore_eos=True).result()
     ar = Generation(export, ids, method="ar", max_new_tokens=16, ignore_eos=True).result()
     assert auto.stats["method"] == "prompt-lookup" and auto.token_ids == ar.token_ids
+    # the export's own API takes `auto` wherever it takes a method (its error lists `auto` as one)
+    assert export.method_config("auto") == export.method_config("prompt-lookup")
+    export.warm_up("auto")
 
 
 def test_rows_are_identical_from_any_call_size(quantized):

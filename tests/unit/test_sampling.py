@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from specdeploy.runtime.errors import SpecDeployError
-from specdeploy.runtime.sampling import NUCLEUS_CANDIDATES, PositionNoise, SamplingParams, nucleus, race, sample
+from specdeploy.runtime.sampling import (
+    NUCLEUS_FLOORS,
+    PositionNoise,
+    SamplingParams,
+    kth_largest,
+    nucleus,
+    race,
+    sample,
+)
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -78,10 +86,39 @@ def test_the_nucleus_equals_sorting_the_whole_vocabulary(scale, top_p):
     want = np.exp((z.astype(np.float64) - z.max()) / 0.7)
     want /= want.sum()
     kept = _nucleus_by_full_sort(want, 0.95)
-    assert len(kept) < NUCLEUS_CANDIDATES[-1]
+    assert len(kept) < 1 / NUCLEUS_FLOORS[-1]
     filtered = np.zeros_like(want)
     filtered[kept] = want[kept]
     assert np.array_equal(params.probs(z), filtered / filtered.sum())
+
+
+@pytest.mark.parametrize("k", [1, 2, 20, 50, 700, 49151])
+def test_kth_largest_equals_selecting_over_the_whole_vocabulary(k):
+    rng = np.random.default_rng(k)
+    for vocab, scale in ((100, 1.0), (49152, 0.1), (49152, 4.0)):
+        if k > vocab:
+            continue
+        x = np.round(rng.standard_normal(vocab) * scale, 1).astype(np.float32)  # ties everywhere
+        x[rng.integers(0, vocab, 30)] = x.max()
+        assert kth_largest(x, k) == np.partition(x, vocab - k)[vocab - k]
+
+
+def test_top_k_filters_as_over_the_whole_vocabulary_ties_included():
+    rng = np.random.default_rng(3)
+    z = np.round(rng.standard_normal(49152) * 3, 1).astype(np.float32)
+    for top_k, top_p in ((20, 1.0), (50, 0.9), (1, 1.0)):
+        w = (z.astype(np.float64) - z.max()) / 0.7
+        kth = np.partition(w, -top_k)[-top_k]
+        want = np.exp(np.where(w >= kth, w, -np.inf))
+        want /= want.sum()
+        if top_p < 1:
+            kept = _nucleus_by_full_sort(want, top_p)
+            filtered = np.zeros_like(want)
+            filtered[kept] = want[kept]
+            want = filtered / filtered.sum()
+        got = SamplingParams(0.7, top_k=top_k, top_p=top_p).probs(z)
+        assert np.array_equal(got > 0, want > 0) and ((got > 0).sum() >= top_k or top_p < 1)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
 
 
 def test_sample_stays_in_the_support_and_follows_p():
