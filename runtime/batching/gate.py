@@ -12,9 +12,12 @@ epoch rows either speculate (as the row policy says) or all decode plainly. An e
 the tokens its rows committed per second, per row-step in a call (so an epoch with more rows
 running is not faster for it). Two neighbouring epochs, one each way, with about as many rows,
 give one sample of log(speculating / plain), averaged per batch size bucket (rows' bit length:
-1, 2-3, 4-7, 8-15, 16-31 ...). Each bucket runs the winning mode, and the other one epoch in
-EXPLORE_EVERY, so a change of workload is seen. Until a bucket has FIRST_PAIRS samples the
-modes alternate. A row alone keeps the row policy (its batch-1 rule measures its own calls).
+1, 2-3, 4-7, 8-15, 16-31 ...). Each bucket runs the winning mode, and the other one now and then,
+so a change of workload is seen: an epoch of the losing mode costs what it loses against the
+winner, so it runs once in as many epochs as keep that cost under EXPLORE_COST of the bucket's
+throughput (`explore_every`: 1 in 5 when the modes are close, up to 1 in 20 when one is far
+behind). Until a bucket has FIRST_PAIRS samples the modes alternate. A row alone keeps the row
+policy (its batch-1 rule measures its own calls).
 
 What it resolves: run as an A/A control (both modes plain), its ratios read 0.96-1.04 at 4-15
 rows of SmolLM2, so it separates the two ways when they differ by more than about 5%; through
@@ -31,7 +34,11 @@ from dataclasses import dataclass, field
 
 EPOCH_CALLS = 6  # calls of the batched graph per epoch (16 rows of SmolLM2: about a second)
 FIRST_PAIRS = 2  # samples a bucket takes alternating, before it picks a mode
-EXPLORE_EVERY = 5  # the losing mode's share of a bucket's epochs, once picked
+# The losing mode's share of a bucket's epochs, once picked: 1 in explore_every(). At 1 in 5 always,
+# exploring cost 4% where speculation ran 0.81x plain (64 clients through the server) and 5-7%
+# where it ran 1.3-1.5x (2-4 clients).
+EXPLORE_EVERY, MAX_EXPLORE_EVERY = 5, 20
+EXPLORE_COST = 0.01  # the share of throughput exploring may cost, where MAX_EXPLORE_EVERY allows
 WEIGHT = 0.3  # the newest sample's weight in a bucket's average log ratio
 LOG_CLIP = 0.7  # a sample's log ratio is clipped to +-this (2x): one odd epoch moves the average little
 # A gap between two calls longer than this (and than IDLE_CALLS calls) is the server idling between
@@ -54,6 +61,13 @@ class _Bucket:
     pairs: int = 0
     rates: dict[bool, tuple[int, float]] = field(default_factory=dict)  # mode -> (epoch number, rate)
     since_explore: int = 0
+
+
+def explore_every(log_ratio: float) -> int:
+    """Epochs per epoch of the losing mode, for a bucket whose modes' rates differ by `log_ratio`:
+    such an epoch makes 1 - exp(-|log_ratio|) fewer tokens than the winner's would."""
+    loss = 1.0 - math.exp(-abs(log_ratio))
+    return min(MAX_EXPLORE_EVERY, max(EXPLORE_EVERY, math.ceil(loss / EXPLORE_COST)))
 
 
 class SpeculationGate:
@@ -138,7 +152,7 @@ class SpeculationGate:
             return not current
         winner = bucket.log_ratio > 0
         bucket.since_explore += 1
-        if bucket.since_explore >= EXPLORE_EVERY:
+        if bucket.since_explore >= explore_every(bucket.log_ratio):
             bucket.since_explore = 0
             return not winner
         return winner

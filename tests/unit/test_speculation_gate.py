@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
-from specdeploy.runtime.batching.gate import EPOCH_CALLS, EXPLORE_EVERY, FIRST_PAIRS, SpeculationGate
+from specdeploy.runtime.batching.gate import (
+    EPOCH_CALLS,
+    EXPLORE_COST,
+    EXPLORE_EVERY,
+    FIRST_PAIRS,
+    MAX_EXPLORE_EVERY,
+    SpeculationGate,
+    explore_every,
+)
 
 
 class Batch:
@@ -38,19 +47,31 @@ class Batch:
 def test_the_gate_keeps_plain_decoding_where_speculation_is_slower_and_still_explores():
     batch = Batch(rows=8, spec_tokens=2, spec_s=0.25, plain_s=0.10)  # 8 vs 10 tokens per row-second
     warm = FIRST_PAIRS * 2 + 4
-    modes = batch.epochs(warm + 4 * EXPLORE_EVERY)
+    every = explore_every(math.log(0.8))  # a speculating epoch makes 20% fewer tokens: 1 in 20
+    assert every == 20
+    modes = batch.epochs(warm + 3 * every)
     assert modes[:4] == [True, False, True, False]  # alternating until measured
     late = modes[warm:]
-    assert late.count(True) == 4  # one epoch in EXPLORE_EVERY
-    assert batch.gate.state()[4]["ratio"] < 1.0
+    assert late.count(True) == 3  # one epoch in `every`
+    assert abs(batch.gate.state()[4]["ratio"] - 0.8) < 0.01
 
 
 def test_the_gate_keeps_speculating_where_it_is_faster():
     batch = Batch(rows=8, spec_tokens=3, spec_s=0.15, plain_s=0.10)  # 20 vs 10
-    modes = batch.epochs(FIRST_PAIRS * 2 + 4 + 2 * EXPLORE_EVERY)
-    late = modes[-2 * EXPLORE_EVERY:]
-    assert late.count(False) == 2
+    modes = batch.epochs(FIRST_PAIRS * 2 + 4 + 2 * MAX_EXPLORE_EVERY)
+    late = modes[-2 * MAX_EXPLORE_EVERY:]
+    assert late.count(False) == 2  # a plain epoch makes half the tokens: explored as rarely as allowed
     assert batch.gate.state()[4]["ratio"] > 1.5
+
+
+def test_the_losing_mode_is_explored_as_often_as_its_cost_allows():
+    assert explore_every(0.0) == explore_every(math.log(0.97)) == EXPLORE_EVERY  # close: as often as ever
+    # in between, each exploring epoch costs about EXPLORE_COST of the bucket's epochs' tokens
+    for ratio in (0.9, 1 / 0.9, 0.85):
+        every = explore_every(math.log(ratio))
+        assert EXPLORE_EVERY < every < MAX_EXPLORE_EVERY
+        assert abs((1 - min(ratio, 1 / ratio)) / every - EXPLORE_COST) < EXPLORE_COST * 0.15
+    assert explore_every(math.log(0.3)) == explore_every(math.log(3.0)) == MAX_EXPLORE_EVERY  # still seen
 
 
 def test_a_row_alone_is_left_to_the_row_policy():
