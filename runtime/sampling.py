@@ -71,16 +71,19 @@ class SamplingParams:
                 z = (x[ids].astype(np.float64) - top) / self.temperature
             p = np.zeros(vocab)
             p[ids] = np.exp(z)
-        else:
+        else:  # in place: one vocabulary-sized array a token
+            p = x.astype(np.float64)
+            p -= top
             with np.errstate(over="ignore"):
-                z = (x.astype(np.float64) - top) / self.temperature
-            p = np.exp(z)
+                p /= self.temperature
+            np.exp(p, out=p)
         p /= p.sum()
         if self.top_p < 1.0:
             kept = nucleus(p, self.top_p)
-            filtered = np.zeros_like(p)
-            filtered[kept] = p[kept]
-            p = filtered / filtered.sum()
+            mass = p[kept]
+            p[:] = 0.0
+            p[kept] = mass
+            p /= p.sum()
         return p
 
 
