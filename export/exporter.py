@@ -19,9 +19,10 @@ from ..runtime.graph_contract import TARGET
 from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
 from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
+from ..runtime.tree_files import TreePaths
 from .hf_loading import check_loadable, check_same_vocab, is_self_draft, read_hf_config
 from .method_export import MethodExport, load_export_step
-from .out_dir import Staging, checked_out_dir
+from .out_dir import OWNED, Staging, checked_out_dir
 
 if TYPE_CHECKING:
     from .quantize import QuantPlan
@@ -65,6 +66,17 @@ def export_methods(overrides: dict[str, dict], sources: dict[str, Path | None]) 
         method_spec(name)  # an unknown method name is an error even where it would not be exported
     return {name: spec.parse(overrides.get(name)) for name, spec in REGISTRY.items()
             if spec.export_input is None or sources[spec.export_input] is not None}
+
+
+def tree_files(methods: dict) -> dict[str, Path]:
+    """{what names it: path} of each tree file a method's config was read from (--tree, a config's
+    `tree`): inputs like the model dirs, which an export must not replace with its --out."""
+    files = {}
+    for name, config in methods.items():
+        resolved = getattr(config, "tree_paths", None)
+        if isinstance(resolved, TreePaths) and Path(resolved.name).expanduser().is_file():  # not a name or inline
+            files[f"methods.{name}.tree"] = Path(resolved.name).expanduser()
+    return files
 
 
 def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = "float32",
@@ -113,7 +125,8 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
     for name, step in steps.items():  # heads checked against the target before anything is written
         methods[name] = step.check(target_cfg, methods[name], progress)
-    inputs = {"target": target, "draft": draft, "eagle": eagle, "medusa": medusa, "config": config}
+    inputs = {"--target": target, "--draft": draft, "--eagle": eagle, "--medusa": medusa, "--config": config,
+              **tree_files(methods)}
     real_out = checked_out_dir(Path(out), inputs)  # before any model loads: --out never eats an input
     from .decoder_export import write_graphs  # the inputs are checked: now the graph writers (torch)
     from .reference import CHECK_DIR
@@ -129,7 +142,7 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
 
             facts["quantization"] = quantize_export(stage.path, graphs, quantize, progress)
         files = {str(p.relative_to(stage.path)): sha256_file(p) for p in sorted(stage.path.rglob("*"))
-                 if p.is_file() and p.relative_to(stage.path).parts[0] != CHECK_DIR}
+                 if p.is_file() and p.relative_to(stage.path).parts[0] not in (CHECK_DIR, OWNED)}
         seconds = round(time.perf_counter() - start, 1)
         write_manifest(stage.path, dtype=dtype, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
                        models=models, graphs=graphs,

@@ -45,15 +45,27 @@ def torch_dtype(dtype: str):
 
 
 def load_causal_lm(model_dir: Path, dtype: str = "float32"):
-    """An HF causal LM of a supported family, in eval mode, on the CPU."""
+    """An HF causal LM of a supported family, in eval mode, on the CPU; every weight from the checkpoint
+    (transformers would initialise missing ones at random, e.g. from an EAGLE or Medusa head's dir)."""
     check_loadable(model_dir, read_hf_config(model_dir))
     torch_type = torch_dtype(dtype)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "newly initialized" warning would precede our one error
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_type, attn_implementation="eager")
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch_type, attn_implementation="eager", output_loading_info=True)
     except Exception as exc:  # corrupt weights, shape mismatches, unreadable files
         raise SpecDeployError(f"could not load model from {model_dir}: {type(exc).__name__}: {exc}") from None
+    finally:
+        hf_logging.set_verbosity(level)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise SpecDeployError(f"{model_dir} is not a complete causal LM checkpoint: its weights lack {shown} "
+                              "(an EAGLE or Medusa head's directory goes to --eagle / --medusa)")
     return model.eval()
 
 

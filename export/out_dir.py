@@ -36,8 +36,9 @@ def beside(out: Path, what: str) -> Path:
 
 def checked_out_dir(out: Path, inputs: dict[str, Path | None]) -> Path:
     """The real --out path, or a SpecDeployError before anything is loaded or written: an export
-    replaces its --out whole, so --out must not hold, be, or lie inside an input, and an existing
-    non-empty --out must be an export (it has a manifest)."""
+    replaces its --out whole, so --out must not hold, be, or lie inside an input (`inputs`: what
+    names it, e.g. "--target", -> its path), and an existing non-empty --out must be an export (it
+    has a manifest)."""
     real = Path(os.path.realpath(out))
     if real.parent == real:
         raise SpecDeployError(f"--out {out} is a filesystem root; choose a directory for the export")
@@ -47,10 +48,10 @@ def checked_out_dir(out: Path, inputs: dict[str, Path | None]) -> Path:
         source = os.path.realpath(path)
         if is_within(source, real):
             relation = "is" if os.path.normpath(source) == str(real) else "contains"
-            raise SpecDeployError(f"--out {out} {relation} the --{flag} input {path}: an export replaces its --out "
+            raise SpecDeployError(f"--out {out} {relation} the {flag} input {path}: an export replaces its --out "
                                   "directory whole; choose another --out")
         if is_within(real, source):
-            raise SpecDeployError(f"--out {out} is inside the --{flag} input {path}; choose a directory outside it")
+            raise SpecDeployError(f"--out {out} is inside the {flag} input {path}; choose a directory outside it")
     if real.exists():
         if not real.is_dir():
             raise SpecDeployError(f"--out {out} exists and is not a directory")
@@ -113,6 +114,11 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Marks .OUT.staging and .OUT.old as this tool's: an interrupted run's leftovers are removed, a
+# directory of the same name that holds neither an export nor this file is the user's and stays.
+OWNED = ".specdeploy-scratch"
+
+
 class Staging:
     """`with Staging(out, progress) as stage:` write into `stage.path`, then `stage.publish()`.
     Leaving the block without publishing (any error) removes the staging directory."""
@@ -129,6 +135,7 @@ class Staging:
         try:
             self._recover()
             self.path.mkdir(parents=True)
+            (self.path / OWNED).touch()
         except BaseException:
             self._lock.__exit__(None, None, None)
             raise
@@ -142,7 +149,13 @@ class Staging:
             self._lock.__exit__(*exc)
 
     def _recover(self) -> None:
-        """Undo what an interrupted run left (we hold the lock, so nothing else is writing)."""
+        """Undo what an interrupted run left (we hold the lock, so nothing else is writing); a
+        directory of those names that is not ours is refused, never removed."""
+        for leftover in (self.old, self.path):
+            if leftover.exists() and not (leftover.is_dir() and any(
+                    (leftover / name).is_file() for name in (MANIFEST_NAME, OWNED))):
+                raise SpecDeployError(f"{leftover} is in the way of exporting to {self.out}, and it is not a "
+                                      "directory an interrupted export left (no manifest): move it or remove it")
         if self.old.exists():
             if not self.out.exists() and (self.old / MANIFEST_NAME).is_file():
                 os.rename(self.old, self.out)
@@ -155,8 +168,10 @@ class Staging:
 
     def publish(self) -> None:
         """The swap: previous export aside, the new one in, the previous one removed."""
+        (self.path / OWNED).unlink()
         if self.out.exists():
             os.rename(self.out, self.old)
+            (self.old / OWNED).touch()  # its removal below may be cut short
         os.rename(self.path, self.out)
         self.published = True
         _sync_dir(self.out.parent)

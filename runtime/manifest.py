@@ -16,7 +16,7 @@ from .containment import inside
 from .errors import SpecDeployError
 from .graph_contract import DECODER, FUSED_BATCHED, PORTABLE, TARGET, GraphRecord, ModelRecord
 from .manifest_fields import CHECK_SKIPPED
-from .onnx_external import external_data_locations
+from .onnx_external import external_data_locations, initializer_dims
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -126,6 +126,8 @@ def _read(export_dir: str | Path) -> tuple[Path, Path, dict]:
     root = Path(export_dir)
     if not root.exists():
         raise SpecDeployError(f"export directory not found: {root}")
+    if root.is_file() and root.name != MANIFEST_NAME:
+        raise SpecDeployError(f"{root} is a file, not an export directory (a directory with {MANIFEST_NAME})")
     path = root / MANIFEST_NAME if root.is_dir() else root
     if path.is_file() and root.is_file():
         root = path.parent
@@ -148,6 +150,20 @@ def _check_graph_files(root: Path, graphs: dict[str, GraphRecord]) -> None:
         path = inside(root, g.file, f"manifest: graphs.{g.name}.file")
         if not path.is_file():
             raise SpecDeployError(f"graph file missing: {path} (re-export it)")
+
+
+def _check_rope_positions(root: Path, graphs: dict[str, GraphRecord], max_context: int) -> None:
+    """The manifest's max_context within every fused graph's RoPE tables (their `rope.cos` rows: the
+    positions it was exported for). The manifest is not checksummed: a raised max_context would pass
+    until a long request's attention failed inside ONNX Runtime."""
+    seen: dict[str, list[int] | None] = {}
+    for g in graphs.values():
+        if g.file not in seen:
+            seen[g.file] = initializer_dims(root / g.file, "rope.cos")
+        dims = seen[g.file]
+        if dims and dims[0] < max_context:
+            fields.fail("max_context", f"({max_context}) exceeds the {dims[0]} positions graph {g.name} was "
+                        "exported for (the manifest does not match its graphs: re-export it)")
 
 
 def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir: str,
@@ -223,6 +239,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
         if rel not in listed:
             raise SpecDeployError(f"manifest: {rel} ({what}) is not in the files map, so its integrity cannot be "
                                   "checked (re-export it)")
+    _check_rope_positions(root, graphs, max_context)
     return Manifest(
         root=root, dtype=scalars["dtype"], max_context=max_context, models=models, graphs=graphs,
         tokenizer=tokenizer, methods=raw.get("methods", {}), files=files, raw=raw,

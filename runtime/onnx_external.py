@@ -119,18 +119,66 @@ def _walk(buf, kind: int, start: int, stop: int, depth: int, found: set[str]) ->
             _walk(buf, child, s, e, depth + 1, found)
 
 
-def external_data_locations(path: str | Path) -> list[str]:
-    """Every external-data `location` in the ONNX file at `path`, as written (relative to its folder)."""
-    path = Path(path)
-    found: set[str] = set()
+def _tensor_name_dims(buf, start: int, stop: int) -> tuple[bytes, list[int]]:
+    """(name, dims) of a TensorProto: dims (field 1) packed or not, name (field 8); the rest skipped."""
+    name, dims, pos = b"", [], start
+    while pos < stop:
+        key, pos = _varint(buf, pos, stop)
+        number, wire = key >> 3, key & 7
+        if number == 1 and wire == 0:
+            value, pos = _varint(buf, pos, stop)
+            dims.append(value)
+        elif wire == 2:
+            length, pos = _varint(buf, pos, stop)
+            if pos + length > stop:
+                raise _Malformed(f"field {number} runs past the end of its message")
+            if number == 8:
+                name = bytes(buf[pos : pos + length])
+            elif number == 1:  # packed dims
+                at = pos
+                while at < pos + length:
+                    value, at = _varint(buf, at, pos + length)
+                    dims.append(value)
+            pos += length
+        else:
+            pos = _skip(buf, pos, stop, wire, number)
+    return name, dims
+
+
+def _mapped(path: Path, read):
+    """read(buf) over the ONNX file at `path`, mapped; one SpecDeployError for a malformed or unreadable file."""
     try:
         with open(path, "rb") as f:
             if f.seek(0, 2) == 0:
                 raise _Malformed("the file is empty")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _walk(buf, _MODEL, 0, len(buf), 0, found)
+                return read(buf)
     except _Malformed as exc:
         raise SpecDeployError(f"{path} is not a valid ONNX file ({exc}); re-export it") from None
     except OSError as exc:
         raise SpecDeployError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def initializer_dims(path: str | Path, name: str) -> list[int] | None:
+    """The dims of the main graph's initializer `name` in the ONNX file at `path` (None: it has none)."""
+    wanted = name.encode("utf-8")
+
+    def read(buf):
+        for number, s, e in _fields(buf, 0, len(buf)):
+            if number != 7:  # ModelProto.graph
+                continue
+            for field, ts, te in _fields(buf, s, e):
+                if field == 5:  # GraphProto.initializer
+                    tensor, dims = _tensor_name_dims(buf, ts, te)
+                    if tensor == wanted:
+                        return dims
+        return None
+
+    return _mapped(Path(path), read)
+
+
+def external_data_locations(path: str | Path) -> list[str]:
+    """Every external-data `location` in the ONNX file at `path`, as written (relative to its folder)."""
+    found: set[str] = set()
+    _mapped(Path(path), lambda buf: _walk(buf, _MODEL, 0, len(buf), 0, found))
     return sorted(found)

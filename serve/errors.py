@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 log = logging.getLogger("specdeploy.serve")
 
 TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
-_ABSOLUTE_PATH = re.compile(r"(?<![\w/.~-])/[^\s'\"`,;:()\[\]{}<>]+")
+# not after a URL's scheme ("http://host/...") or as a "//" authority, which echoed values carry
+_ABSOLUTE_PATH = re.compile(r"(?<![\w/.~:-])/(?!/)[^\s'\"`,;:()\[\]{}<>]+")
 
 
 class ApiError(Exception):

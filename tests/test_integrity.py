@@ -104,14 +104,15 @@ def test_kill_during_export_keeps_the_previous_export(micro_family, export_copy)
 
 
 def test_next_run_cleans_up_what_a_killed_run_left(export_copy):
-    from specdeploy.export.out_dir import Staging, beside
+    from specdeploy.export.out_dir import OWNED, Staging, beside
 
     staging, old = beside(export_copy, "staging"), beside(export_copy, "old")
     staging.mkdir()
+    (staging / OWNED).touch()  # as every staging directory starts
     (staging / "target_t1.onnx").write_bytes(b"half")
     said = []
     with Staging(export_copy, said.append) as stage:
-        assert stage.path == staging and not any(staging.iterdir())
+        assert stage.path == staging and [p.name for p in staging.iterdir()] == [OWNED]
     assert not staging.exists() and any("interrupted" in line for line in said)
     # Killed between the two renames of the swap: OUT gone, the previous export aside.
     before = snapshot(export_copy)
@@ -126,6 +127,29 @@ def test_next_run_cleans_up_what_a_killed_run_left(export_copy):
         (stage.path / "x").write_text("x")
         stage.publish()
     assert (fresh / "x").is_file()
+
+
+@pytest.mark.parametrize("name", ["old", "staging"])
+def test_a_users_directory_by_a_scratch_name_is_refused_not_removed(export_copy, name):
+    """.OUT.old and .OUT.staging are removed only where an interrupted export left them (a manifest,
+    or the scratch marker): a directory of the user's by that name stays, and the export says why."""
+    from specdeploy.export.out_dir import Staging, beside
+
+    mine = beside(export_copy, name)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    before = snapshot(export_copy)
+    with pytest.raises(SpecDeployError, match="not a directory an interrupted export left"):
+        with Staging(export_copy, print):
+            pass
+    assert (mine / "notes.txt").read_text() == "mine" and snapshot(export_copy) == before
+
+
+def test_a_max_context_beyond_the_graphs_is_refused_at_load(export_copy):
+    """The manifest is not checksummed: a max_context raised past the positions the fused graphs'
+    RoPE tables hold is refused when the export loads, not by ONNX Runtime mid-request."""
+    edit_manifest(export_copy, lambda m: m.update(max_context=m["max_context"] * 2))
+    assert "max_context" in (message := load_error(export_copy)) and "exported for" in message
 
 
 def test_killed_during_its_check_is_refused(export_copy):
@@ -404,6 +428,32 @@ def test_out_around_an_input_or_foreign_dir_is_refused(target_copy, micro_family
     with pytest.raises(SpecDeployError, match=needle):
         export_all(target, out, progress=lambda m: None)
     assert snapshot(target_copy.parent.parent) == before
+
+
+def test_a_tree_file_inside_out_is_refused(export_copy, micro_with_heads):
+    """A tree file (--tree, or a config's `tree`) is an input too: re-exporting into the directory that
+    holds it (as `tune-tree` suggests: its file lands in the export) would delete it."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.runtime.tree_files import TREE_DIR
+
+    tree = export_copy / "my_tree.json"
+    shutil.copy(TREE_DIR / "medusa_cpu_4.json", tree)
+    before = snapshot(export_copy)
+    with pytest.raises(SpecDeployError, match="contains the methods.medusa.tree input"):
+        export_all(micro_with_heads / "target", export_copy, medusa=micro_with_heads / "medusa",
+                   medusa_tree=str(tree), progress=lambda m: None)
+    assert snapshot(export_copy) == before
+
+
+def test_a_head_dir_given_as_the_draft_model_is_refused(micro_with_heads, tmp_path):
+    """An EAGLE head's dir has a Llama config.json but not a causal LM's weights: transformers would
+    initialise the missing ones at random and the export would ship a random draft."""
+    from specdeploy.export.exporter import export_all
+
+    out = tmp_path / "out"
+    with pytest.raises(SpecDeployError, match="not a complete causal LM checkpoint: its weights lack"):
+        export_all(micro_with_heads / "target", out, draft=micro_with_heads / "eagle", progress=lambda m: None)
+    assert not out.exists()
 
 
 def test_out_symlink_to_the_target_is_refused(target_copy, tmp_path):
