@@ -232,6 +232,10 @@ def cmd_tune_tree(args) -> int:
     from .runtime.loaded_export import LoadedExport
     from .runtime.tree_tuning import check_tree_out, read_prompts_file, tune, write_tree
 
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-nodes", args.max_nodes),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:  # a tree of no nodes, or a sample of no prompts, is no calibration
+            raise SpecDeployError(f"{flag} must be at least 1, got {value}")
     out = args.out or Path(args.export) / f"tuned_tree_{args.method}.json"
     check_tree_out(out)  # before the calibration: it runs for minutes
     use_shared_threads(args.threads)

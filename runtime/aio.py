@@ -29,20 +29,28 @@ class AsyncRequest:
         self._loop = asyncio.get_running_loop()
         # Unbounded, but never larger than the request's max_new_tokens events.
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"specdeploy-{request.id[:8]}", daemon=True)
-        self._begun = False
+        self._thread = threading.Thread(target=self._run, name=f"specdeploy-{str(request.id)[:8]}", daemon=True)
+        self._started: asyncio.Future | None = None  # start()'s outcome, for every caller after the first
 
     async def start(self) -> bool:
-        """Wait (without blocking the loop) for an instance; raises what Request.start raises."""
-        self._begun = True
+        """Wait (without blocking the loop) for an instance; raises what Request.start raises. Iterating
+        or awaiting result() starts the request if this was not awaited; awaiting it again returns
+        (or raises) what the first call did."""
+        if self._started is not None:
+            return await asyncio.shield(self._started)
+        self._started = self._loop.create_future()
         self._thread.start()
         try:
             kind, value = await self._queue.get()
         except BaseException:  # the caller was cancelled while queued: leave the queue
             self.request.cancel()
+            self._started.cancel()
             raise
         if kind == _ERROR:
+            self._started.set_exception(value)
+            self._started.exception()  # retrieved: no "never retrieved" warning when nobody asks again
             raise value
+        self._started.set_result(kind == _STARTED)
         return kind == _STARTED
 
     def __aiter__(self):
@@ -59,6 +67,8 @@ class AsyncRequest:
         Each batch waits on the loop at least once, which lets it notice a disconnect
         before writing a backlog to a dead socket.
         """
+        if not await self.start():  # started here if the caller did not; cancelled while queued: no events
+            return
         ended = False
         try:
             while True:

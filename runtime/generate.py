@@ -5,6 +5,7 @@ Streaming: `Generation` is an iterator of `TokenEvent`s; `.result()` drains it.
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,34 @@ class GenerationResult:
                 "stats": self.stats}
 
 
+def checked_ids(prompt_ids) -> list[int]:
+    """A prompt's token ids as ints (numpy integers too: a tokenizer's return_tensors="np" output);
+    SpecDeployError for anything else (a float, a bool or a string is no token id)."""
+    if prompt_ids is None or isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise SpecDeployError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
+    ids = list(prompt_ids)
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+        raise SpecDeployError("prompt_ids must be integers")
+    return [int(t) for t in ids]
+
+
+def checked_stop(stop) -> list[str]:
+    """Stop strings: one string or a list of them (a lone string is one stop, not one per character)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise SpecDeployError("stop must be a string or a list of strings")
+    return list(stop)
+
+
+def checked_flag(value, name: str) -> bool:
+    if value not in (True, False):  # bool("no") is True: refuse rather than guess
+        raise SpecDeployError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens: int) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise SpecDeployError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -72,8 +101,14 @@ class Generation:
                  params: SamplingParams | None = None, max_new_tokens: int = 64, stop: list[str] | None = None,
                  ignore_eos: bool = False, method_overrides: dict | None = None, drafter: Drafter | None = None,
                  adaptive: bool | None = None):
+        if params is not None and not isinstance(params, SamplingParams):
+            raise SpecDeployError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if method_overrides is not None and not isinstance(method_overrides, dict):
+            raise SpecDeployError(f"method_overrides must be a dict, got {type(method_overrides).__name__}")
         self.params = params or SamplingParams()
-        validate_request(export, list(prompt_ids), max_new_tokens)
+        prompt_ids = checked_ids(prompt_ids)
+        stop, ignore_eos = checked_stop(stop), checked_flag(ignore_eos, "ignore_eos")
+        validate_request(export, prompt_ids, max_new_tokens)
         method = resolve_method(method, export)  # `auto`: the export's recommended method
         self.export, self.method, self.max_new = export, method, max_new_tokens
         config = export.method_config(method, method_overrides)

@@ -66,6 +66,8 @@ def recommended_method(available, quantized: bool = False) -> str:
 def resolve_method(method: str, export, available=None) -> str:
     """`method`, with `auto` replaced by the recommended one of `available` (default: the loaded
     `export`'s methods) for its target's weights."""
+    if not isinstance(method, str):
+        raise SpecDeployError(f"method must be a method's name (a string), got {type(method).__name__}")
     if method != AUTO:
         return method
     quantized = export.manifest.weight_scheme("target") is not None

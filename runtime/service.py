@@ -14,7 +14,6 @@ See runtime/pool.py for why a pool of instances and what it costs in memory.
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import threading
 import time
@@ -23,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecDeployError
-from .generate import Generation, GenerationResult, TokenEvent, validate_request
+from .generate import (
+    Generation,
+    GenerationResult,
+    TokenEvent,
+    checked_flag,
+    checked_ids,
+    checked_stop,
+    validate_request,
+)
 from .loaded_export import LoadedExport
 from .methods import AUTO, resolve_method
 from .pool import BusyError, ExportPool, Ticket, check_wait
@@ -125,30 +132,19 @@ class Service:
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
         if prompt is not None and not isinstance(prompt, str):
             raise SpecDeployError(f"prompt must be a string, got {type(prompt).__name__}")
-        if prompt_ids is not None and (isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__")):
-            raise SpecDeployError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-        # (a numpy array of ids has no truth value: `prompt_ids or ()` would raise)
-        ids = self.tokenizer.encode(prompt) if prompt is not None else list(() if prompt_ids is None else prompt_ids)
-        # numbers.Integral: numpy's integers too (a tokenizer's return_tensors="np" output)
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
-            raise SpecDeployError("prompt_ids must be integers")
-        ids = [int(t) for t in ids]
+        ids = self.tokenizer.encode(prompt) if prompt is not None else checked_ids(prompt_ids)
         # Checked before queueing: a bad timeout raised inside the pool's wait would strand its queue ticket.
         if timeout is not None:
             timeout = check_wait(timeout, "timeout")
-        if ignore_eos not in (True, False):  # bool("no") is True: refuse rather than guess
-            raise SpecDeployError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+        ignore_eos = checked_flag(ignore_eos, "ignore_eos")
+        if request_id is not None and not isinstance(request_id, str):
+            raise SpecDeployError(f"request_id must be a string, got {type(request_id).__name__}")
         method = self.resolve(method)
         if method not in self.methods:
             raise SpecDeployError(self.method_message(method))
         params = SamplingParams(temperature, top_k, top_p, seed, sampling)
         validate_request(self.meta, ids, max_new_tokens)
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
-            raise SpecDeployError("stop must be a string or a list of strings")
-        return Request(self, ids, method, params, max_new_tokens, list(stop or []), bool(ignore_eos), timeout,
-                       request_id)
+        return Request(self, ids, method, params, max_new_tokens, checked_stop(stop), ignore_eos, timeout, request_id)
 
     def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> "Request":
         """A started request: it holds an instance until iterated to the end, cancelled or closed."""
@@ -192,6 +188,7 @@ class Request:
         self._created = time.perf_counter()
         self.queue_s = 0.0
         self._stats: dict = {}
+        self._read = 0  # 0: not read yet, 1: an iterator is reading it, 2: read (to its end, or stopped)
 
     # -- lifecycle ----------------------------------------------------------------
     def start(self) -> bool:
@@ -220,8 +217,11 @@ class Request:
         return True
 
     def __iter__(self):
-        if not self.start():
+        if self._read == 1:  # a second reader would restart the generation over the first's cache
+            raise SpecDeployError(f"request {self.id} is already being read: iterate it once")
+        if self._read == 2 or not self.start():
             return
+        self._read = 1
         steps = iter(self._gen)
         try:
             while True:
@@ -240,6 +240,7 @@ class Request:
                     self._in_step = False
                 yield event
         finally:
+            self._read = 2
             with self._lock:
                 self._release()
 
@@ -263,6 +264,15 @@ class Request:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # A started request dropped unread (its handler raised before reading it) must not hold its
+        # instance or batch row for good: collected, it is closed.
+        try:
+            if getattr(self, "_export", None) is not None:
+                self.close()
+        except Exception:  # at interpreter exit the pool may be gone already
+            pass
 
     def _release(self) -> None:  # caller holds self._lock
         if self._export is not None:

@@ -11,6 +11,8 @@ def check_text(text: str, what: str) -> str:
     """`text`, if the tokenizer can take it: lone surrogates (Python's stand-ins for bytes that were
     not UTF-8, as argv and surrogateescape decode them, or JSON's "\\ud800") are no text, and the
     tokenizers library refuses them with a TypeError. `what` names the text in the error."""
+    if not isinstance(text, str):
+        raise SpecDeployError(f"{what} must be a string, got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -48,7 +50,18 @@ class TextTokenizer:
         return self.tok.encode_batch([check_text(text, "the text")], add_special_tokens=True)[0].ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+        """Text of token ids (ids the tokenizer does not know, e.g. a model's padding rows, decode to nothing)."""
+        from .generate import checked_ids  # the generator imports this module
+
+        ids = checked_ids(ids)
+        bad = [t for t in ids if not 0 <= t < 2**32]
+        if bad:
+            raise SpecDeployError(f"token ids must be non-negative 32-bit integers, got {bad[:5]}")
+        return self.decode_ids(ids)
+
+    def decode_ids(self, ids: list[int]) -> str:
+        """decode() of ids a generation produced (the runtime's own: no checks, per streamed token)."""
+        return self.tok.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalDecoder:
@@ -67,8 +80,8 @@ class IncrementalDecoder:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self.tokenizer.decode_ids(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode_ids(self.ids[self.prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -76,7 +89,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """What is still held back at the end (an undecodable tail decodes as U+FFFD)."""
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self.tokenizer.decode_ids(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode_ids(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return after[len(before) :] if len(after) > len(before) else ""

@@ -384,3 +384,9 @@ def test_tune_tree_cli_writes_a_usable_tree(medusa_exports, exports, tmp_path):
     # The runtime accepts it as a tree for this export (ranks within top-k, depth within heads).
     config = exports["trained"].method_config("medusa", {"tree": str(out)})
     assert [list(p) for p in config.tree_paths.paths] == doc["paths"]
+    # counts below 1 are refused before any calibration (a 0-node tree, a negative sample)
+    for flag, value in (("--max-nodes", "0"), ("--max-nodes", "-1"), ("--num-prompts", "-1")):
+        proc = run_cli("tune-tree", medusa_exports["trained"], "--method", "medusa", flag, value,
+                       "--out", tmp_path / "bad.json")
+        assert proc.returncode == 2 and f"{flag} must be at least 1" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and not (tmp_path / "bad.json").exists()

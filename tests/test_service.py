@@ -218,6 +218,75 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
     assert svc.generate(prompt_ids=np.array(ids), max_new_tokens=3).token_ids == want  # numpy ids are ids
 
 
+@pytest.mark.parametrize("batch", [None, 2])
+def test_a_started_request_dropped_unread_frees_its_instance(export_dir, batch):
+    """A handler that raised between stream() and reading it dropped its request: collected, it frees
+    the instance (or batch row) instead of leaving the service busy for good."""
+    import gc
+
+    svc = Service.load(export_dir, pool_size=1) if batch is None else Service.load(export_dir, batch=batch)
+
+    def handler():
+        svc.stream("Hello", max_new_tokens=4)
+        raise KeyError("the handler failed before reading it")
+
+    with pytest.raises(KeyError):
+        handler()
+    gc.collect()
+    assert svc.status()["in_use"] == 0
+    assert svc.generate("Hi", max_new_tokens=2, timeout=5).token_ids
+
+
+def test_a_request_is_read_once_and_bad_arguments_are_one_error(export_dir):
+    """A second iterator would restart the generation over the first's cache; the lower-level
+    generate() checks its arguments as Service.request does (a lone stop string is one stop)."""
+    svc = Service.load(export_dir, pool_size=1)
+    want = svc.generate("Hello", max_new_tokens=6, ignore_eos=True).token_ids
+    with svc.stream("Hello", max_new_tokens=6, ignore_eos=True) as req:
+        first = iter(req)
+        next(first)
+        with pytest.raises(SpecDeployError, match="already being read"):
+            next(iter(req))
+        list(first)
+        assert req.result().token_ids == want  # after the read: its result, no second run
+    for kwargs, match in [(dict(method=["ar"]), "method must be"), (dict(request_id=5), "request_id"),
+                          (dict(stop=5), "stop must be"), (dict(prompt=None, prompt_ids=[1.5]), "integers")]:
+        with pytest.raises(SpecDeployError, match=match):
+            svc.request(**{"prompt": "x", **kwargs})
+    export = LoadedExport(export_dir)
+    ids = export.tokenizer.encode("Hello there")
+    from specdeploy.runtime.generate import generate
+
+    one = generate(export, ids, max_new_tokens=12, stop="xyz e", ignore_eos=True)
+    assert one.text == generate(export, ids, max_new_tokens=12, stop=["xyz e"], ignore_eos=True).text
+    for kwargs, match in [(dict(prompt_ids=["1"]), "integers"), (dict(prompt_ids=None), "list of token ids"),
+                          (dict(stop=5), "stop must be"), (dict(params={"temperature": 0.5}), "SamplingParams"),
+                          (dict(method=["ar"]), "method must be"), (dict(method_overrides=[("k", 1)]), "dict"),
+                          (dict(ignore_eos="no"), "ignore_eos")]:
+        with pytest.raises(SpecDeployError, match=match):
+            generate(export, kwargs.pop("prompt_ids", ids), max_new_tokens=4, **kwargs)
+    for bad in (None, 5):
+        with pytest.raises(SpecDeployError, match="must be a string"):
+            export.tokenizer.encode(bad)
+    for bad in ([-1], [2**64], ["a"]):
+        with pytest.raises(SpecDeployError):
+            export.tokenizer.decode(bad)
+
+
+def test_async_request_starts_itself_and_start_is_idempotent(export_dir):
+    svc = Service.load(export_dir, pool_size=1)
+    want = svc.generate("Hello", max_new_tokens=4).token_ids
+
+    async def main():
+        unstarted = AsyncRequest(svc.request("Hello", max_new_tokens=4))  # read without start(): it starts
+        got = (await asyncio.wait_for(unstarted.result(), 30)).token_ids
+        twice = AsyncRequest(svc.request("Hello", max_new_tokens=4))
+        assert await twice.start() and await twice.start()
+        return got, (await asyncio.wait_for(twice.result(), 30)).token_ids
+
+    assert asyncio.run(main()) == (want, want)
+
+
 def test_async_bridge(export_dir):
     svc = Service.load(export_dir, pool_size=1, queue_size=0)
     # long enough that the first request still holds the instance when the second asks (the micro

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import SpecDeployError
 from ..graph_contract import KEY, VALUE, ModelRecord, past_name
 from ..kv_cache import keep_rows_in_place
 from .graph import EXTRA_ROWS
@@ -21,8 +22,14 @@ class SlotKV:
     def __init__(self, spec: ModelRecord, slots: int, max_context: int):
         shape = (slots, spec.num_kv_heads, max_context + EXTRA_ROWS, spec.head_dim)
         # np.zeros maps pages lazily: a slot's memory becomes resident as its rows are written
-        self.keys = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        try:
+            self.keys = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+            self.values = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        except MemoryError:
+            need = 2 * spec.num_layers * int(np.prod(shape)) * 4
+            raise SpecDeployError(f"a batch of {slots} rows needs {need / 2**30:.1f} GiB of KV cache address space "
+                                  f"({max_context} positions a row), more than this machine maps: serve fewer "
+                                  "rows") from None
         self.slots, self.max_context = slots, max_context
         self.trash = max_context
 
