@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -167,6 +168,31 @@ class Service:
         return f"method {method!r} is not served by this export (available: {', '.join(self.methods)})"
 
 
+# Started requests collected unread (Request.__del__), closed by one daemon thread: SimpleQueue.put
+# is safe in a finalizer, where taking the pool's lock is not.
+_DROPPED: queue.SimpleQueue = queue.SimpleQueue()
+_reaper_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+
+
+def _reap() -> None:
+    while True:
+        request = _DROPPED.get()
+        try:
+            request.close()
+        except Exception:  # one bad close must not stop the reaper
+            log.exception("closing a dropped request failed")
+        del request
+
+
+def _start_reaper() -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="specdeploy-reaper", daemon=True)
+            _reaper.start()
+
+
 class Request:
     """One request: start() waits for an instance; iterate for TokenEvents; cancel() from any thread."""
 
@@ -196,6 +222,7 @@ class Request:
         if self._started:
             return self._gen is not None
         self._started = True
+        _start_reaper()
         export = self.service.pool.acquire(self.timeout, self._ticket)
         self.queue_s = time.perf_counter() - self._created
         if export is None:
@@ -267,12 +294,10 @@ class Request:
 
     def __del__(self) -> None:
         # A started request dropped unread (its handler raised before reading it) must not hold its
-        # instance or batch row for good: collected, it is closed.
-        try:
-            if getattr(self, "_export", None) is not None:
-                self.close()
-        except Exception:  # at interpreter exit the pool may be gone already
-            pass
+        # instance or batch row for good: collected, it is closed, by the reaper thread (a collection
+        # can run in a thread that holds the pool's lock, which close() takes).
+        if getattr(self, "_export", None) is not None:
+            _DROPPED.put(self)
 
     def _release(self) -> None:  # caller holds self._lock
         if self._export is not None:

@@ -233,6 +233,9 @@ def test_a_started_request_dropped_unread_frees_its_instance(export_dir, batch):
     with pytest.raises(KeyError):
         handler()
     gc.collect()
+    deadline = time.monotonic() + 5  # closed by the reaper thread
+    while svc.status()["in_use"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert svc.status()["in_use"] == 0
     assert svc.generate("Hi", max_new_tokens=2, timeout=5).token_ids
 
