@@ -23,6 +23,18 @@ from .graph_contract import KEY, VALUE, ModelRecord, past_name
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class KVCache:
     def __init__(self, spec: ModelRecord, max_context: int, dtype: str = "float32", in_place: bool = False):
         self.in_place = in_place

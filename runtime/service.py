@@ -32,6 +32,7 @@ from .generate import (
     checked_stop,
     validate_request,
 )
+from .kv_cache import available_memory
 from .loaded_export import LoadedExport
 from .methods import AUTO, resolve_method
 from .pool import BusyError, ExportPool, Ticket, check_wait
@@ -85,6 +86,7 @@ class Service:
             pool_type = RowPool
         else:
             first = LoadedExport(export_dir, backend=backend, threads=threads, verify_checksums=verify_checksums)
+            check_pool_memory(first.manifest, pool_size)
             if threads is None and first.backend == "ort-cpu":
                 threads = max(1, (os.cpu_count() or 1) - pool_size + 1)
                 first = LoadedExport(export_dir, backend=first.backend, threads=threads, verify_checksums=False)
@@ -166,6 +168,20 @@ class Service:
         if method in self.unavailable:
             return f"method {method!r} is not available: {self.unavailable[method]}"
         return f"method {method!r} is not served by this export (available: {', '.join(self.methods)})"
+
+
+def check_pool_memory(manifest, instances: int) -> None:
+    """Each instance holds every model's KV cache of max_context positions (resident as requests
+    write it): a pool whose caches could not all be resident is refused before any is made (a pool of
+    100,000 micro instances was still being built after 40 s)."""
+    available = available_memory()
+    item = 2 if manifest.dtype in ("float16", "bfloat16") else 4
+    each = sum(2 * m.num_layers * m.num_kv_heads * manifest.max_context * m.head_dim * item
+               for m in manifest.models.values())
+    if available is not None and instances * each > available:
+        raise SpecDeployError(f"a pool of {instances} instances needs {instances * each / 2**30:.1f} GiB of KV caches "
+                              f"({manifest.max_context} positions each), and {available / 2**30:.1f} GiB of memory "
+                              "is available: use a smaller pool")
 
 
 # Started requests collected unread (Request.__del__), closed by one daemon thread: SimpleQueue.put

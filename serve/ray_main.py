@@ -10,6 +10,7 @@ cluster it started.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -38,8 +39,8 @@ def parse_delays(text: str) -> tuple[float, float]:
         up, down = (float(part) for part in text.split(","))
     except ValueError:
         raise SpecDeployError(f"--autoscale-delays takes UP,DOWN seconds, got {text!r}") from None
-    if up < 0 or down < 0:
-        raise SpecDeployError(f"--autoscale-delays must be >= 0 seconds, got {text!r}")
+    if not (0 <= up < math.inf and 0 <= down < math.inf):  # NaN fails both comparisons
+        raise SpecDeployError(f"--autoscale-delays must be finite seconds >= 0, got {text!r}")
     return up, down
 
 
@@ -65,8 +66,8 @@ def run_ray(args, limits, api_key: str | None, origins: list[str]) -> int:
     from .main import is_loopback
 
     options = scaling(args)
-    if args.replica_cpus <= 0:
-        raise SpecDeployError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
+    if not 0 < args.replica_cpus < math.inf:  # NaN fails the comparison
+        raise SpecDeployError(f"--replica-cpus must be a finite number > 0, got {args.replica_cpus}")
     address = os.environ.get("RAY_ADDRESS")
     if not address:  # read by Ray at import: set them first
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a cluster we start reports nothing anywhere
