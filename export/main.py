@@ -78,7 +78,7 @@ def resolve_draft(args, progress) -> None:
     code tokens, against 23% / 30% for a 2-layer draft distilled in make export's budget).
     int4 stays the default under a float32 target: an int8 copy takes the target's greedy token at
     97.7% of 1,536 teacher-forced chat, code and grounded positions (int4: 83.7%), but on a 2-core
-    AVX2 CPU its one-row call costs 9.6 ms against 7.9 (200 cached tokens), and `auto` ran
+    EPYC (AVX512-VNNI) its one-row call costs 9.6 ms against 7.9 (200 cached tokens), and `auto` ran
     0.95-1.04x as fast with it across the bench's prompt sets (`draft` alone 0.98-1.08x). Where a
     draft call is cheaper beside a verify, `--draft-weights int8` is worth measuring."""
     if args.draft is None or str(args.draft) != SELF_DRAFT:
