@@ -23,6 +23,12 @@ from .graph_contract import KEY, VALUE, ModelRecord, past_name
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
+def cache_bytes(spec: ModelRecord, positions: int, dtype: str = "float32") -> int:
+    """K and V bytes of `positions` tokens over all of a model's layers (KVCache's buffers)."""
+    itemsize = np.dtype(NP_DTYPES.get(dtype, np.float32)).itemsize
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * positions * itemsize
+
+
 def available_memory() -> int | None:
     """Bytes of memory available to a new allocation (Linux: MemAvailable), None where unknown."""
     try:
@@ -33,6 +39,16 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def require_memory(need: int, what: str, advice: str) -> None:
+    """One SpecDeployError, before anything is allocated, where caches of `need` bytes could not all be
+    resident: buffers map lazily, but a full batch or pool writes them (and the batch's start-up
+    calibration writes rows of every slot), and the kernel's OOM killer is no error message."""
+    available = available_memory()
+    if available is not None and need > available:
+        raise SpecDeployError(f"{what} needs {need / 2**30:.1f} GiB of KV cache, and {available / 2**30:.1f} GiB "
+                              f"of memory is available: {advice}")
 
 
 class KVCache:

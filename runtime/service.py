@@ -32,7 +32,7 @@ from .generate import (
     checked_stop,
     validate_request,
 )
-from .kv_cache import available_memory
+from .kv_cache import cache_bytes, require_memory
 from .loaded_export import LoadedExport
 from .methods import AUTO, resolve_method
 from .pool import BusyError, ExportPool, Ticket, check_wait
@@ -171,17 +171,12 @@ class Service:
 
 
 def check_pool_memory(manifest, instances: int) -> None:
-    """Each instance holds every model's KV cache of max_context positions (resident as requests
-    write it): a pool whose caches could not all be resident is refused before any is made (a pool of
-    100,000 micro instances was still being built after 40 s)."""
-    available = available_memory()
-    item = 2 if manifest.dtype in ("float16", "bfloat16") else 4
-    each = sum(2 * m.num_layers * m.num_kv_heads * manifest.max_context * m.head_dim * item
-               for m in manifest.models.values())
-    if available is not None and instances * each > available:
-        raise SpecDeployError(f"a pool of {instances} instances needs {instances * each / 2**30:.1f} GiB of KV caches "
-                              f"({manifest.max_context} positions each), and {available / 2**30:.1f} GiB of memory "
-                              "is available: use a smaller pool")
+    """Each instance holds every model's KV cache of max_context positions: a pool whose caches could
+    not all be resident is refused before any is made (a pool of 100,000 micro instances was still
+    being built after 40 s)."""
+    each = sum(cache_bytes(m, manifest.max_context, manifest.dtype) for m in manifest.models.values())
+    require_memory(instances * each, f"a pool of {instances} instances ({manifest.max_context} positions each)",
+                   "use a smaller pool")
 
 
 # Started requests collected unread (Request.__del__), closed by one daemon thread: SimpleQueue.put

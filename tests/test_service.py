@@ -279,9 +279,11 @@ def test_a_request_is_read_once_and_bad_arguments_are_one_error(export_dir):
 def test_a_batch_whose_cache_cannot_be_resident_is_refused(export_dir):
     """Calibration writes rows of every slot: a batch of a million micro rows (61 GiB of KV cache) grew
     the process until the machine ran out; it is one error, before any cache is allocated."""
-    with pytest.raises(SpecDeployError, match="rows needs .* GiB of KV cache .* serve fewer rows"):
+    with pytest.raises(SpecDeployError,
+                       match=r"a batch of 1000000 rows \(.*\) needs .* GiB of KV cache, .*: serve fewer rows"):
         Service.load(export_dir, batch=10**6)
-    with pytest.raises(SpecDeployError, match="instances needs .* GiB of KV caches .* use a smaller pool"):
+    with pytest.raises(SpecDeployError,
+                       match=r"a pool of 1000000 instances \(.*\) needs .* GiB of KV cache, .*: use a smaller pool"):
         Service.load(export_dir, pool_size=10**6)  # was still building instances after 40 s
 
 

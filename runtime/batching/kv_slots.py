@@ -14,22 +14,17 @@ import numpy as np
 
 from ..errors import SpecDeployError
 from ..graph_contract import KEY, VALUE, ModelRecord, past_name
-from ..kv_cache import available_memory, keep_rows_in_place
+from ..kv_cache import cache_bytes, keep_rows_in_place, require_memory
 from .graph import EXTRA_ROWS
 
 
 class SlotKV:
     def __init__(self, spec: ModelRecord, slots: int, max_context: int):
         shape = (slots, spec.num_kv_heads, max_context + EXTRA_ROWS, spec.head_dim)
-        need = 2 * spec.num_layers * int(np.prod(shape)) * 4
-        # np.zeros maps pages lazily, but the start-up calibration (batched_export.py) writes rows of
-        # every slot and the batch fills them: a batch whose whole cache cannot be resident is refused
-        # here, not by the kernel's OOM killer later (a batch of 100,000 micro rows grew to 22 GB)
-        available = available_memory()
-        if available is not None and need > available:
-            raise SpecDeployError(f"a batch of {slots} rows needs {need / 2**30:.1f} GiB of KV cache ({max_context} "
-                                  f"positions a row), and {available / 2**30:.1f} GiB of memory is available: "
-                                  "serve fewer rows, or export with a smaller max_context")
+        need = slots * cache_bytes(spec, max_context + EXTRA_ROWS)
+        # (a batch of 100,000 micro rows grew to 22 GB during its start-up calibration)
+        require_memory(need, f"a batch of {slots} rows ({max_context} positions a row)",
+                       "serve fewer rows, or export with a smaller max_context")
         try:
             self.keys = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
             self.values = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
