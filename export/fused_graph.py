@@ -352,8 +352,17 @@ class BatchPlan:
             b.kv_shapes[name] = [BATCH_DIM, shape.kv_heads, "cache_len", shape.head_dim]
         (ctx,) = b.op("Reshape", [ctx, b.init("one_row", np.array([1, -1, 0], np.int64))])
         contexts = [ctx]
+        # each run's q/k/v slice reshaped to its known width: ONNX Runtime 1.30 cannot infer the
+        # width of a Slice inside the If, reads GroupQueryAttention's output width as 0 and
+        # refuses the Concat below at load (1.32 accepts it). The Reshape changes no data.
+        packed = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+        widths = (packed, 0, 0) if not qkv[1] else (shape.heads * shape.head_dim,
+                                                     shape.kv_heads * shape.head_dim,
+                                                     shape.kv_heads * shape.head_dim)
         for r, (start, end, positions, lengths) in enumerate(self.runs):
-            part = [b.op("Slice", [q, start, end, self.axis1])[0] if q else "" for q in qkv]
+            part = [b.op("Reshape", [b.op("Slice", [q, start, end, self.axis1])[0],
+                                     b.init(f"run_tokens_{w}", np.array([1, -1, w], np.int64))])[0] if q else ""
+                    for q, w in zip(qkv, widths)]
             names = tuple(run_kv_name(r, n) for n in kv_names)
             ctx, pk, pv = b.gqa(part, attn, shape, names, lengths, rope, positions)
             b.presents += [(run_kv_name(r, present_names_[0]), pk), (run_kv_name(r, present_names_[1]), pv)]
