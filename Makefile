@@ -2,6 +2,7 @@
 #   make export   set up, get SmolLM2-135M-Instruct, train its heads (cached), export, check, demo
 #   make test     set up and run the test suite (unit, then integration)
 #   make test-unit  the unit tests alone (tests/unit: no model build, no torch; seconds)
+#   make test-compat  the export path under transformers 5, the runtime on older onnxruntime releases
 PY ?= python3
 # Idle OpenMP threads sleep instead of spinning: on 2 shared cores spinning made
 # 2-thread torch training 3-5x slower (measured).
@@ -160,6 +161,36 @@ test-unit: setup
 
 test: test-unit
 	$(VPY) -m pytest -q tests --ignore=tests/unit $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
+# Compatibility (not part of `make test`; .ci/run runs it after). .venv keeps transformers 4.x
+# (optimum-onnx, a bench peer, pins <4.58) and one onnxruntime, but users have others:
+# * the export path under transformers 5 in its own venv, models and exports cached apart
+#   (build/compat: a 5.x conversion never mixes with 4.x's);
+# * the runtime's graphs on every older onnxruntime release pyproject allows (1.30 once refused
+#   the batched graph at load), each shadowing .venv's for one pytest run.
+COMPAT_VENV := build/compat-venv
+COMPAT_BUILD := build/compat
+ORT_RELEASES ?= 1.27.0 1.28.0 1.29.0 1.30.0 1.31.1
+COMPAT_TESTS := tests/test_real_model.py tests/test_accuracy_check.py tests/test_greedy_equality.py \
+	tests/test_eagle.py tests/test_medusa.py tests/test_chat.py tests/test_quantized.py tests/test_cli.py
+ORT_TESTS := tests/test_greedy_equality.py tests/test_batching.py tests/test_batched_graph_calls.py \
+	tests/test_batched_export_methods.py tests/test_fused_graphs.py tests/test_weights_once.py tests/test_quantized.py
+
+$(COMPAT_VENV)/.stamp: pyproject.toml
+	$(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q "torch==2.13.0" || $(COMPAT_VENV)/bin/python -m pip install -q "torch>=2.10,<2.15"
+	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[export,serve,test]" "transformers>=5,<6"
+	touch $@
+
+.PHONY: test-compat
+test-compat: setup $(COMPAT_VENV)/.stamp
+	SPECDEPLOY_TEST_BUILD=$(COMPAT_BUILD) $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	set -e; for v in $(ORT_RELEASES); do \
+	  site=$(COMPAT_BUILD)/onnxruntime-$$v; \
+	  test -f $$site/.stamp || { $(VPY) -m pip install -q --no-deps --target $$site "onnxruntime==$$v" && touch $$site/.stamp; }; \
+	  PYTHONPATH=$$site $(VPY) -c "import onnxruntime, sys; sys.exit(onnxruntime.__version__ != '$$v')"; \
+	  echo "onnxruntime $$v:"; PYTHONPATH=$$site $(VPY) -m pytest -q -p no:cacheprovider $(ORT_TESTS); \
+	done
 
 # ruff (line length, import order, pyflakes) on the whole tree; mypy on the lean runtime.
 .PHONY: lint

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..export.hf_loading import is_self_draft
+from ..export.hf_loading import is_self_draft, rope_scaling, rope_theta
 from .peers import OFFLINE_ENV, PeerUnavailable, _atomic_build, genai_env, model_key
 
 VENV = "llamacpp"
@@ -124,7 +124,7 @@ def write_gguf(hf_dir: str | Path, tokenizer_gguf: str | Path, out: str | Path, 
     cfg = json.loads((hf_dir / "config.json").read_text())
     if cfg.get("model_type") not in SUPPORTED:
         raise PeerUnavailable(f"write_gguf maps {', '.join(SUPPORTED)} models, not {cfg.get('model_type')!r}")
-    if cfg.get("rope_scaling") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+    if rope_scaling(cfg) or cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise PeerUnavailable("write_gguf does not map rope scaling or biases")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     kv_heads = cfg.get("num_key_value_heads") or heads
@@ -147,7 +147,7 @@ def write_gguf(hf_dir: str | Path, tokenizer_gguf: str | Path, out: str | Path, 
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(rope_theta(cfg))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(int(cfg["vocab_size"]))
     writer.add_file_type(LlamaFileType.MOSTLY_F16 if half else LlamaFileType.ALL_F32)

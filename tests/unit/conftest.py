@@ -16,7 +16,8 @@ import pytest
 
 UNIT_DIR = Path(__file__).resolve().parent
 # tests/conftest.py's session fixtures that build models or exports.
-MODEL_FIXTURES = frozenset({"micro_family", "micro_export", "random_models", "arch_exports"})
+MODEL_FIXTURES = frozenset({"micro_family", "micro_export", "random_models", "arch_exports", "smollm2_wheel",
+                            "smollm2_4l"})
 HEAVY_MODULES = ("torch", "transformers")
 
 

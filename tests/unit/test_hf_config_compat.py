@@ -1,0 +1,53 @@
+"""Model configs as transformers 4.x and 5.x write them: RoPE read from either spelling, a
+5.x-only config refused under 4.x (it would rotate with the wrong base), and a converted
+model's config.json readable by both."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdeploy.export.gguf_import import readable_by_both
+from specdeploy.export.hf_loading import check_rope_readable, rope_scaling, rope_settings, rope_theta
+from specdeploy.runtime.errors import SpecDeployError
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+V4 = {"model_type": "llama", "rope_theta": 500000.0, "rope_scaling": LLAMA3}
+V5 = {"model_type": "llama", "rope_parameters": {"rope_theta": 500000.0, **LLAMA3}}
+V5_PLAIN = {"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+
+
+def test_rope_read_from_either_spelling():
+    assert rope_theta(V4) == rope_theta(V5) == 500000.0
+    assert rope_scaling(V4) == rope_scaling(V5) == LLAMA3
+    assert rope_theta(V5_PLAIN) == 100000.0 and rope_scaling(V5_PLAIN) is None
+    assert rope_theta({"model_type": "llama"}) == 10000.0  # transformers' own default when absent
+
+
+def test_rope_settings_keep_the_spelling_of_the_config():
+    assert rope_settings(V5) == {"rope_parameters": V5["rope_parameters"]}
+    assert rope_settings(V4) == {"rope_theta": 500000.0, "rope_scaling": LLAMA3}
+
+
+def test_a_config_only_transformers_5_reads_is_refused_under_4():
+    with pytest.raises(SpecDeployError, match="transformers 5.*transformers>=5.*\"rope_theta\": 100000.0"):
+        check_rope_readable("m", V5_PLAIN, "4.57.6")
+    check_rope_readable("m", V5_PLAIN, "5.25.0")
+    check_rope_readable("m", {**V5_PLAIN, "rope_theta": 100000.0}, "4.57.6")  # both spellings: fine
+    check_rope_readable("m", V4, "4.57.6")
+
+
+def test_converted_config_gains_the_4x_spelling(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(V5))
+    readable_by_both(path)
+    cfg = json.loads(path.read_text())
+    assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"] == LLAMA3
+    assert cfg["rope_parameters"] == V5["rope_parameters"]
+    check_rope_readable("m", cfg, "4.57.6")
+    before = json.dumps(V4)
+    path.write_text(before)
+    readable_by_both(path)  # a 4.x config is left as it is
+    assert path.read_text() == before
