@@ -169,10 +169,11 @@ test: test-unit
 # * the runtime's graphs on every older onnxruntime release pyproject allows (1.30 once refused
 #   the batched graph at load), each shadowing .venv's for one pytest run.
 COMPAT_VENV := build/compat-venv
-COMPAT_BUILD := build/compat
+COMPAT_BUILD := $(abspath build/compat)
 ORT_RELEASES ?= 1.27.0 1.28.0 1.29.0 1.30.0 1.31.1
 COMPAT_TESTS := tests/test_real_model.py tests/test_accuracy_check.py tests/test_greedy_equality.py \
-	tests/test_eagle.py tests/test_medusa.py tests/test_chat.py tests/test_quantized.py tests/test_cli.py
+	tests/test_eagle.py tests/test_medusa.py tests/test_chat.py tests/test_quantized.py tests/test_cli.py \
+	tests/test_real_target_training.py tests/test_draft_vocab_model.py
 ORT_TESTS := tests/test_greedy_equality.py tests/test_batching.py tests/test_batched_graph_calls.py \
 	tests/test_batched_export_methods.py tests/test_fused_graphs.py tests/test_weights_once.py tests/test_quantized.py
 
@@ -187,7 +188,8 @@ test-compat: setup $(COMPAT_VENV)/.stamp
 	SPECDEPLOY_TEST_BUILD=$(COMPAT_BUILD) $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 	set -e; for v in $(ORT_RELEASES); do \
 	  site=$(COMPAT_BUILD)/onnxruntime-$$v; \
-	  test -f $$site/.stamp || { $(VPY) -m pip install -q --no-deps --target $$site "onnxruntime==$$v" && touch $$site/.stamp; }; \
+	  test -f $$site/.stamp || { rm -rf $$site && $(VPY) -m pip install -q --no-deps --target $$site "onnxruntime==$$v" \
+	    && touch $$site/.stamp; }; \
 	  PYTHONPATH=$$site $(VPY) -c "import onnxruntime, sys; sys.exit(onnxruntime.__version__ != '$$v')"; \
 	  echo "onnxruntime $$v:"; PYTHONPATH=$$site $(VPY) -m pytest -q -p no:cacheprovider $(ORT_TESTS); \
 	done

@@ -145,8 +145,12 @@ class HFGenerate:
                      "attn_implementation": getattr(self.model.config, "_attn_implementation", None)}
 
     def _torch_model(self, path):
+        import transformers
         from transformers import AutoModelForCausalLM
 
+        from ..export.hf_loading import check_rope_readable, read_hf_config
+
+        check_rope_readable(path, read_hf_config(path), transformers.__version__)
         return AutoModelForCausalLM.from_pretrained(path, dtype=self.torch.float32).eval()
 
     def _optimum_model(self, setup, threads):

@@ -227,13 +227,14 @@ def detect_version(weights: dict) -> int:
 
 def _llama_config(cfg: dict, num_layers: int) -> LlamaConfig:
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act",
+            "rms_norm_eps", "max_position_embeddings", "hidden_act",
             "attention_bias", "mlp_bias", "draft_vocab_size", "vocab_size", "target_hidden_size")
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads") if k not in cfg]
     if missing:
         raise SpecDeployError(f"EAGLE head config.json lacks {', '.join(missing)}")
     args = {k: cfg[k] for k in keep if cfg.get(k) is not None}
     try:
+        args.update(rope_settings(cfg))  # either transformers' spelling in, one both read out
         out = LlamaConfig(**args, num_hidden_layers=num_layers)
     except (TypeError, ValueError) as exc:
         raise SpecDeployError(f"EAGLE head config.json is not a usable Llama config: {exc}") from None

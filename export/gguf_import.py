@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..runtime.errors import SpecDeployError
-from .hf_loading import rope_scaling, rope_theta
+from .hf_loading import readable_by_both
 from .out_dir import build_lock
 
 if "torch" not in sys.modules:
@@ -222,15 +222,6 @@ def load_dequantized(gguf_path: Path, layers: int | None):
     # The GGUF's display name, not a path: from_pretrained would record it as if it were one.
     model.config.__dict__.pop("_model_name_or_path", None)
     return model
-
-
-def readable_by_both(config_path: Path) -> None:
-    """config.json as transformers 4.x reads it too: 5.x writes RoPE only as `rope_parameters`,
-    which 4.x ignores (a cached model converted by one and exported by the other)."""
-    cfg = json.loads(config_path.read_text())
-    if isinstance(cfg.get("rope_parameters"), dict) and "rope_theta" not in cfg:
-        cfg["rope_theta"], cfg["rope_scaling"] = rope_theta(cfg), rope_scaling(cfg)
-        config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager

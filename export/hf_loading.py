@@ -60,35 +60,52 @@ def rope_theta(config) -> float:
     return 10000.0 if theta is None else float(theta)
 
 
+def _scaling(entry) -> dict | None:
+    """A scaling dict without its base, or None for none ("default", either key name)."""
+    if not isinstance(entry, dict) or entry.get("rope_type", entry.get("type", "default")) == "default":
+        return None
+    return {k: v for k, v in entry.items() if k != "rope_theta"}
+
+
 def rope_scaling(config) -> dict | None:
     """The config's RoPE scaling (Llama 3.1's "llama3", "linear", ...) in the 4.x `rope_scaling`
     form that published configs carry, or None."""
     params = _field(config, "rope_parameters")
-    if isinstance(params, dict):
-        return None if params.get("rope_type", "default") == "default" else {
-            k: v for k, v in params.items() if k != "rope_theta"}
-    return _field(config, "rope_scaling") or None
+    return _scaling(params) if isinstance(params, dict) else _scaling(_field(config, "rope_scaling"))
 
 
 def rope_settings(config) -> dict:
-    """The config's RoPE fields as keyword arguments for another config of the same transformers
-    (an EAGLE head's, which must rotate positions exactly as its target does)."""
-    params = _field(config, "rope_parameters")
-    if isinstance(params, dict):  # transformers 5: base, type and scaling in one dict
-        return {"rope_parameters": dict(params)}
+    """The config's RoPE fields as keyword arguments for another LlamaConfig (an EAGLE head's,
+    which must rotate positions exactly as its target does): the 4.x spelling, which 4.x reads
+    and 5.x folds into its rope_parameters (4.x ignores a rope_parameters argument)."""
     return {"rope_theta": rope_theta(config), "rope_scaling": rope_scaling(config)}
 
 
 def check_rope_readable(model_dir: Path, cfg: dict, transformers_version: str) -> None:
     """transformers 5 saves RoPE settings only as `rope_parameters`, which 4.x ignores: it would
-    rotate with its default base (10000) and export a wrong model without a word."""
-    if (isinstance(cfg.get("rope_parameters"), dict) and "rope_theta" not in cfg
-            and int(transformers_version.split(".")[0]) < 5):
-        fields = {"rope_theta": rope_theta(cfg), **({"rope_scaling": rope_scaling(cfg)} if rope_scaling(cfg) else {})}
-        raise SpecDeployError(
-            f"{model_dir}/config.json was written by transformers 5 (RoPE in rope_parameters), which "
-            f"transformers {transformers_version} cannot read: install transformers>=5, or add "
-            f"{json.dumps(fields)[1:-1]} to config.json")
+    rotate with its top-level `rope_theta` (10000 when absent) and no scaling, and export a wrong
+    model without a word. So under 4.x the top-level fields must say what rope_parameters says."""
+    if not isinstance(cfg.get("rope_parameters"), dict) or int(transformers_version.split(".")[0]) >= 5:
+        return
+    theta, scaling = cfg.get("rope_theta"), _scaling(cfg.get("rope_scaling"))
+    if theta is not None and float(theta) == rope_theta(cfg) and scaling == rope_scaling(cfg):
+        return
+    fields = {"rope_theta": rope_theta(cfg), **({"rope_scaling": rope_scaling(cfg)} if rope_scaling(cfg) else {})}
+    raise SpecDeployError(
+        f"{model_dir}/config.json was written by transformers 5 (RoPE in rope_parameters), which "
+        f"transformers {transformers_version} cannot read: install transformers>=5, or set "
+        f"{json.dumps(fields)[1:-1]} in config.json")
+
+
+def readable_by_both(config_path: Path) -> None:
+    """A config.json transformers wrote, made readable by 4.x too: 5.x writes RoPE only as
+    `rope_parameters`, which 4.x ignores (a model converted or trained by one and exported by the
+    other). Both spellings must then be written: 5.x reads a rope_scaling without a top-level
+    rope_theta with base 10000."""
+    cfg = json.loads(config_path.read_text())
+    if isinstance(cfg.get("rope_parameters"), dict) and "rope_theta" not in cfg:
+        cfg["rope_theta"], cfg["rope_scaling"] = rope_theta(cfg), rope_scaling(cfg)
+        config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def load_causal_lm(model_dir: Path, dtype: str = "float32"):

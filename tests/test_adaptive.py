@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from conftest import BUILD
 
 from specdeploy.runtime.adaptive import (
     MAX_BACKOFF,
@@ -333,18 +332,16 @@ def test_sampling_stays_exact_with_random_skips(micro_all):
 
 # ---------------------------------------------------------------- a real model (truncated SmolLM2)
 
-SMOLLM2_4L = BUILD / "models" / "smollm2-135m-instruct-4l"
 CHAT = ["What is the capital of France? Answer in one sentence.",
         "Write a Python function that returns the squares of a list of numbers."]
 
 
-@pytest.mark.skipif(not (SMOLLM2_4L / "config.json").is_file(), reason="build/models/smollm2-135m-instruct-4l absent")
-def test_truncated_smollm2_greedy_with_skips_equals_ar(tmp_path_factory):
+def test_truncated_smollm2_greedy_with_skips_equals_ar(smollm2_4l, tmp_path_factory):
     from specdeploy.export.exporter import export_all
     from specdeploy.runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
     from specdeploy.runtime.loaded_export import LoadedExport
 
-    export = LoadedExport(export_all(SMOLLM2_4L, tmp_path_factory.mktemp("adaptive_real") / "smollm2-4l",
+    export = LoadedExport(export_all(smollm2_4l, tmp_path_factory.mktemp("adaptive_real") / "smollm2-4l",
                                      progress=lambda m: None))
     template = ChatTemplate.from_tokenizer_dir(export.tokenizer.directory)
     for text in CHAT:

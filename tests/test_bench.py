@@ -272,7 +272,6 @@ def test_tokens_per_s_and_acceptance_come_from_the_same_median_run():
 
 
 SMOLLM2 = BUILD / "models" / "smollm2-135m-instruct"
-SMOLLM2_4L = BUILD / "models" / "smollm2-135m-instruct-4l"
 
 
 @pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(),
@@ -489,13 +488,11 @@ def _llamacpp_ready() -> str | None:
     py = llamacpp.python(DEFAULT_PEERS_DIR)
     if not py.exists() or not llamacpp.version(py):
         return f"no llama-cpp-python venv at {DEFAULT_PEERS_DIR / llamacpp.VENV} (make peers builds it)"
-    if not (SMOLLM2_4L / "config.json").is_file():
-        return "build/models/smollm2-135m-instruct-4l absent (the tests of test_real_model.py convert it)"
     return None
 
 
 @pytest.mark.skipif(_llamacpp_ready() is not None, reason=str(_llamacpp_ready()))
-def test_llamacpp_worker_greedy_equals_hf(tmp_path):
+def test_llamacpp_worker_greedy_equals_hf(smollm2_4l, tmp_path):
     """The llama.cpp worker on an F32 GGUF written from the 4-layer SmolLM2: greedy tokens equal HF's,
     for ar, prompt lookup and the draft-model hook, and its eval calls are counted."""
     from specdeploy.bench import llamacpp
@@ -503,11 +500,11 @@ def test_llamacpp_worker_greedy_equals_hf(tmp_path):
     from specdeploy.bench.workers import Worker
     from specdeploy.runtime.tokenizer import TextTokenizer
 
-    files = llamacpp.gguf_files(SMOLLM2_4L, None, DEFAULT_PEERS_DIR, "float32", progress=lambda m: None)
-    ids = TextTokenizer(SMOLLM2_4L).encode("def fib(n):\n    if n < 2:\n        return n\n"
+    files = llamacpp.gguf_files(smollm2_4l, None, DEFAULT_PEERS_DIR, "float32", progress=lambda m: None)
+    ids = TextTokenizer(smollm2_4l).encode("def fib(n):\n    if n < 2:\n        return n\n"
                                            "    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n")
     new = 16
-    want = hf_greedy(SMOLLM2_4L, ids, new)
+    want = hf_greedy(smollm2_4l, ids, new)
     for method in ("ar", "prompt-lookup", "draft"):  # draft: the model drafts for itself, so all is accepted
         setup = {"system": "llamacpp", "method": method, "threads": 2, "n_ctx": 256, "gguf": str(files["target"]),
                  "draft_gguf": str(files["target"]), "method_params": {"k": 6, "max_ngram": 3}, "kv_dtype": "float32"}
@@ -582,7 +579,7 @@ def test_a_quantized_export_runs_as_its_precisions_system(micro_export, micro_in
 
 
 @pytest.mark.skipif(_llamacpp_ready() is not None, reason=str(_llamacpp_ready()))
-def test_llamacpp_q8_0_peer_quantizes_the_f32_gguf_and_runs(tmp_path):
+def test_llamacpp_q8_0_peer_quantizes_the_f32_gguf_and_runs(smollm2_4l, tmp_path):
     """llamacpp-q8_0: llama.cpp's Q8_0 of the F32 GGUF (about 34/32 bytes a weight, not 4), run by the
     llama.cpp worker with the bindings' default KV cache, one eval a token."""
     from specdeploy.bench import llamacpp
@@ -590,12 +587,12 @@ def test_llamacpp_q8_0_peer_quantizes_the_f32_gguf_and_runs(tmp_path):
     from specdeploy.bench.workers import Worker
     from specdeploy.runtime.tokenizer import TextTokenizer
 
-    files = llamacpp.gguf_files(SMOLLM2_4L, None, DEFAULT_PEERS_DIR, "float32", progress=lambda m: None)
+    files = llamacpp.gguf_files(smollm2_4l, None, DEFAULT_PEERS_DIR, "float32", progress=lambda m: None)
     q8 = llamacpp.quantized_gguf(files["target"], "q8_0", DEFAULT_PEERS_DIR, progress=lambda m: None)
     ratio = llamacpp.gguf_weight_bytes(q8)["bytes_per_token"] / llamacpp.gguf_weight_bytes(files["target"])[
         "bytes_per_token"]
     assert 0.25 < ratio < 0.3
-    ids = TextTokenizer(SMOLLM2_4L).encode("def fib(n):\n    if n < 2:\n        return n\n")
+    ids = TextTokenizer(smollm2_4l).encode("def fib(n):\n    if n < 2:\n        return n\n")
     setup = {"system": "llamacpp-q8_0", "method": "ar", "threads": 2, "n_ctx": 256, "method_params": {},
              "gguf": str(q8), "kv_dtype": None}
     w = Worker("llamacpp-q8_0", "ar", setup, tmp_path / "q8.log", DEFAULT_PEERS_DIR)

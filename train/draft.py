@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..export.draft_vocab import DRAFT_VOCAB_FILE, write_draft_vocab
-from ..export.hf_loading import load_causal_lm
+from ..export.hf_loading import load_causal_lm, readable_by_both
 from ..runtime.errors import SpecDeployError
 from .cli_finish import finish, say
 from .distill import VocabSubset, reuse_or_train, run_meta, spec_hash, write_result
@@ -196,6 +196,7 @@ def agreement(draft, data: Responses, labels: list[torch.Tensor], max_len: int, 
 def _save(draft, target_dir: Path, out: Path) -> None:
     """The draft as an HF dir with the target's tokenizer files."""
     draft.save_pretrained(out, safe_serialization=True)
+    readable_by_both(Path(out) / "config.json")  # transformers 4.x and 5.x read the same RoPE
     for path in Path(target_dir).iterdir():
         if path.is_file() and path.name not in MODEL_FILES and not path.name.startswith("model") \
                 and not (out / path.name).exists():

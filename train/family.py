@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from ..export.hf_loading import readable_by_both
 from ..export.out_dir import build_lock
 from . import corpus
 from .distill import evenly_spaced_windows, random_windows, spec_hash, take_chars, token_stream
@@ -249,6 +250,7 @@ def _save_model(model, out: Path, tokenizer_dir: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
+    readable_by_both(Path(out) / "config.json")  # transformers 4.x and 5.x read the same RoPE
     copy_tokenizer(tokenizer_dir, out)
 
 

@@ -8,8 +8,13 @@ import json
 
 import pytest
 
-from specdeploy.export.gguf_import import readable_by_both
-from specdeploy.export.hf_loading import check_rope_readable, rope_scaling, rope_settings, rope_theta
+from specdeploy.export.hf_loading import (
+    check_rope_readable,
+    readable_by_both,
+    rope_scaling,
+    rope_settings,
+    rope_theta,
+)
 from specdeploy.runtime.errors import SpecDeployError
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -26,9 +31,19 @@ def test_rope_read_from_either_spelling():
     assert rope_theta({"model_type": "llama"}) == 10000.0  # transformers' own default when absent
 
 
-def test_rope_settings_keep_the_spelling_of_the_config():
-    assert rope_settings(V5) == {"rope_parameters": V5["rope_parameters"]}
-    assert rope_settings(V4) == {"rope_theta": 500000.0, "rope_scaling": LLAMA3}
+def test_rope_settings_are_in_the_spelling_both_versions_read():
+    """4.x ignores a rope_parameters argument (its head would rotate with base 10000); 5.x folds
+    rope_theta and rope_scaling into its rope_parameters."""
+    both = {**V5, "rope_theta": 500000.0, "rope_scaling": LLAMA3}  # what readable_by_both writes
+    for cfg in (V4, V5, both):
+        assert rope_settings(cfg) == {"rope_theta": 500000.0, "rope_scaling": LLAMA3}
+    assert rope_settings(V5_PLAIN) == {"rope_theta": 100000.0, "rope_scaling": None}
+
+
+def test_default_scaling_is_no_scaling():
+    assert rope_scaling({"rope_scaling": {"rope_type": "default"}}) is None
+    assert rope_scaling({"rope_scaling": {"type": "default"}}) is None
+    assert rope_scaling({"rope_scaling": {"type": "linear", "factor": 2.0}}) == {"type": "linear", "factor": 2.0}
 
 
 def test_a_config_only_transformers_5_reads_is_refused_under_4():
@@ -37,6 +52,10 @@ def test_a_config_only_transformers_5_reads_is_refused_under_4():
     check_rope_readable("m", V5_PLAIN, "5.25.0")
     check_rope_readable("m", {**V5_PLAIN, "rope_theta": 100000.0}, "4.57.6")  # both spellings: fine
     check_rope_readable("m", V4, "4.57.6")
+    with pytest.raises(SpecDeployError, match="rope_scaling"):  # 4.x would drop the scaling
+        check_rope_readable("m", {**V5, "rope_theta": 500000.0}, "4.57.6")
+    with pytest.raises(SpecDeployError, match="rope_theta"):  # and rotate with the other base
+        check_rope_readable("m", {**V5_PLAIN, "rope_theta": 10000.0}, "4.57.6")
 
 
 def test_converted_config_gains_the_4x_spelling(tmp_path):
