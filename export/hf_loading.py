@@ -54,10 +54,14 @@ def rope_theta(config) -> float:
     `rope_parameters`, 4.x as `rope_theta` (a default read from the wrong place would silently
     change every position)."""
     params = _field(config, "rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    theta = _field(config, "rope_theta")
-    return 10000.0 if theta is None else float(theta)
+    in_params = isinstance(params, dict) and "rope_theta" in params
+    theta = params["rope_theta"] if in_params else _field(config, "rope_theta")
+    if theta is None:
+        return 10000.0
+    try:
+        return float(theta)
+    except (TypeError, ValueError):
+        raise SpecDeployError(f"config.json: rope_theta {theta!r} is not a number") from None
 
 
 def _scaling(entry) -> dict | None:

@@ -29,6 +29,8 @@ def test_rope_read_from_either_spelling():
     assert rope_scaling(V4) == rope_scaling(V5) == LLAMA3
     assert rope_theta(V5_PLAIN) == 100000.0 and rope_scaling(V5_PLAIN) is None
     assert rope_theta({"model_type": "llama"}) == 10000.0  # transformers' own default when absent
+    with pytest.raises(SpecDeployError, match="rope_theta 'fast' is not a number"):
+        rope_theta({"rope_parameters": {"rope_theta": "fast"}})
 
 
 def test_rope_settings_are_in_the_spelling_both_versions_read():
