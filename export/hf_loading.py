@@ -92,7 +92,7 @@ def check_rope_readable(model_dir: Path, cfg: dict, transformers_version: str) -
     if not isinstance(cfg.get("rope_parameters"), dict) or int(transformers_version.split(".")[0]) >= 5:
         return
     theta, scaling = cfg.get("rope_theta"), _scaling(cfg.get("rope_scaling"))
-    if theta is not None and float(theta) == rope_theta(cfg) and scaling == rope_scaling(cfg):
+    if theta is not None and rope_theta({"rope_theta": theta}) == rope_theta(cfg) and scaling == rope_scaling(cfg):
         return
     fields = {"rope_theta": rope_theta(cfg), **({"rope_scaling": rope_scaling(cfg)} if rope_scaling(cfg) else {})}
     raise SpecDeployError(

@@ -58,6 +58,8 @@ def test_a_config_only_transformers_5_reads_is_refused_under_4():
         check_rope_readable("m", {**V5, "rope_theta": 500000.0}, "4.57.6")
     with pytest.raises(SpecDeployError, match="rope_theta"):  # and rotate with the other base
         check_rope_readable("m", {**V5_PLAIN, "rope_theta": 10000.0}, "4.57.6")
+    with pytest.raises(SpecDeployError, match="rope_theta 'x' is not a number"):
+        check_rope_readable("m", {**V5_PLAIN, "rope_theta": "x"}, "4.57.6")
 
 
 def test_converted_config_gains_the_4x_spelling(tmp_path):
