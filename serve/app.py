@@ -36,6 +36,7 @@ from ..runtime.pool import BusyError
 from .admission import Admission, Admitted
 from .chat import message_dicts
 from .errors import ApiError, InternalErrorMiddleware, bad_request, busy, error_body, internal, too_large
+from .header_limit import HeaderLimitMiddleware
 from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
@@ -433,10 +434,11 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
     app = FastAPI(title="specdeploy", version="1", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
     # Outermost first at run time: request id, CORS (answers preflights), metrics (counts refusals too),
-    # connection limit, guard, our faults (a JSON 500 that all the others see).
+    # header size, connection limit, guard, our faults (a JSON 500 that all the others see).
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(AccessGuardMiddleware, api_key=api_key, allowed_origins=list(allowed_origins or []))
     app.add_middleware(ConnectionLimitMiddleware, limit=server.connection_limit)
+    app.add_middleware(HeaderLimitMiddleware, limit=limits.max_header_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],

@@ -16,6 +16,7 @@ class ServeLimits:
     max_concurrent_requests: int | None = None  # generation requests admitted at once; None: workers + queue
     max_connections: int | None = None  # HTTP requests in progress; None: concurrent + CONNECTION_HEADROOM
     max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 64 << 10  # request line and headers (serve/header_limit.py)
     body_timeout_s: float = 30.0  # to receive the whole body
     max_stop: int = 16  # stop strings per request (OpenAI allows 4)
     max_stop_chars: int = 256  # a stop string's length: text that may still become one is held back
@@ -29,7 +30,7 @@ class ServeLimits:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise SpecDeployError(f"{_option(name)} must be an integer >= 1, got {value!r}")
-        for name in ("max_body_bytes", "max_stop", "max_stop_chars", "template_processes"):
+        for name in ("max_body_bytes", "max_header_bytes", "max_stop", "max_stop_chars", "template_processes"):
             if getattr(self, name) < 1:
                 raise SpecDeployError(f"{_option(name)} must be >= 1, got {getattr(self, name)!r}")
         for name in ("body_timeout_s", "request_timeout_s", "template_timeout_s", "tokenize_timeout_s"):

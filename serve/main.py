@@ -64,7 +64,7 @@ def run_server(args) -> int:
         raise SpecDeployError(f"--port must be in [0, 65535], got {args.port}")
     limits = ServeLimits(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
                          max_concurrent_requests=args.max_concurrent_requests, max_connections=args.max_connections,
-                         max_body_bytes=args.max_body_bytes,
+                         max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
                          body_timeout_s=args.body_timeout,
                          max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                          request_timeout_s=args.request_timeout or None, template_timeout_s=args.template_timeout,
@@ -97,6 +97,7 @@ def _serve(args, sock, limits, api_key, origins) -> int:
     from ..runtime.backends import use_shared_threads
     from ..runtime.service import Service
     from .app import create_app
+    from .header_limit import HeaderLimitedH11Protocol
     from .security import uvicorn_limit
 
     _warn_if_open(args.host, api_key)
@@ -115,7 +116,8 @@ def _serve(args, sock, limits, api_key, origins) -> int:
           f"{server.admission.limit} requests in flight, context {server.model_len}; "
           f"API key {'required' if api_key else 'not set'})", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=5,
+                            timeout_graceful_shutdown=5, http=HeaderLimitedH11Protocol,
+                            h11_max_incomplete_event_size=limits.max_header_bytes,
                             limit_concurrency=uvicorn_limit(server.connection_limit))  # the app answers first, in JSON
     served = uvicorn.Server(config)
     try:
@@ -159,6 +161,7 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--max-connections", type=int, help="HTTP requests in progress (health and metrics "
                    f"aside); beyond: 503 (default: max concurrent requests + {CONNECTION_HEADROOM})")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size; beyond: 413")
+    s.add_argument("--max-header-bytes", type=int, default=64 << 10, help="request line and headers; beyond: 431")
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body; then 408")
     s.add_argument("--max-stop", type=int, default=16, help="stop strings per request")
     s.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")

@@ -110,7 +110,8 @@ def test_request_ids_are_accepted_returned_and_logged(broken_server):
 @pytest.fixture(scope="module")
 def limited_server(micro_export):
     with ServerProcess(micro_export, "--max-model-len", "64", "--max-tokens", "8", "--max-stop", "2",
-                       "--max-stop-chars", "8", "--max-body-bytes", "4096", "--body-timeout", "1") as srv:
+                       "--max-stop-chars", "8", "--max-body-bytes", "4096", "--body-timeout", "1",
+                       "--max-header-bytes", "8192") as srv:
         yield srv
 
 
@@ -151,6 +152,27 @@ def test_slow_body_times_out(limited_server):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("size", [9000, 300_000, 4_000_000])
+def test_oversized_headers_get_a_431_not_a_reset(limited_server, size):
+    """Over --max-header-bytes, whether the parser took the head whole (9 KB) or gave up while the
+    client was still sending (300 KB, 4 MB: it used to close at once, and the client read a reset)."""
+    body = {"model": "micro", "prompt": "x", "max_tokens": 2}
+    resp = _post(limited_server, body, headers={"X-Big": "a" * size})
+    assert resp.status_code == 431, resp.text
+    assert resp.json()["error"]["code"] == "headers_too_large" and "8192" in resp.json()["error"]["message"]
+    assert _post(limited_server, body, headers={"X-Fine": "a" * 4000}).status_code == 200
+
+
+def test_malformed_request_gets_a_json_400(limited_server):
+    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):  # then the server closes
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http_request"
 
 
 def test_max_model_len_beyond_the_export_is_refused_at_start(micro_export):
