@@ -34,7 +34,7 @@ from .batched_graph import write_batched_target
 from .decoder_graph import DecoderGraph
 from .draft_vocab import read_draft_vocab, restrict_lm_head
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
-from .hf_loading import is_self_draft, load_causal_lm, torch_dtype
+from .hf_loading import fused_unsupported, is_self_draft, load_causal_lm, torch_dtype
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, decoder_dynamic_axes, export_module
 from .reference import CHECK_DIR, decoder_feeds, reference_paths, save_reference, torch_reference
@@ -87,10 +87,11 @@ class DecoderExporter:
         self.weights = SharedWeights(out, weights_file(name), () if reuse is None else (reuse.weights,))
         io = decoder_io(self.record.num_layers, bool(feature_layers))
         self.inputs, self.outputs = list(io.inputs), list(io.outputs)
-        self.fused = fused and dtype in FUSED_DTYPES
+        unfused = (f"{dtype} weights (they are {', '.join(FUSED_DTYPES)} only)" if dtype not in FUSED_DTYPES
+                   else fused_unsupported(model.config))
+        self.fused = fused and unfused is None
         if fused and not self.fused:
-            progress(f"  {name}: no fused graphs for {dtype} (they are {', '.join(FUSED_DTYPES)} only); "
-                     "ONNX Runtime will run the portable graphs")
+            progress(f"  {name}: no fused graphs for {unfused}; ONNX Runtime will run the portable graphs")
         fused_reuse = (self.weights,) + (() if reuse is None else (reuse.weights,))
         if reuse is not None and reuse_fused and reuse.fused_weights is not None:
             fused_reuse += (reuse.fused_weights,)

@@ -39,6 +39,7 @@ from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from .eagle_fused import build_fused_eagle_head
 from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
 from .fused_graph import write_fused
+from .hf_loading import fused_unsupported
 from .method_export import MethodExport
 from .onnx_writer import SharedWeights, export_module
 from .reference import random_tree_mask, save_reference, torch_reference
@@ -149,7 +150,10 @@ class EagleHeadExporter(MethodExport):
         if plan["top_k"] > head.draft_vocab:
             raise SpecDeployError(f"eagle.top_k {plan['top_k']} exceeds the head's vocabulary of {head.draft_vocab}")
         ctx["models"][EAGLE] = head_record(head, plan["top_k"], self.feature_layers)
-        fused = ctx.get("fused", False) and head.fc.weight.dtype == torch.float32
+        unfused = fused_unsupported(head.cfg)
+        fused = ctx.get("fused", False) and head.fc.weight.dtype == torch.float32 and unfused is None
+        if ctx.get("fused", False) and unfused:
+            ctx["progress"](f"  eagle: no fused graphs for {unfused}; ONNX Runtime will run the portable graphs")
         ctx["graphs"].update(export_head_graphs(head, plan, ctx["out"], ctx["cfg"].max_context, ctx["progress"],
                                                 fused, ctx.get("target_weights")))
 

@@ -29,7 +29,7 @@ from ..runtime.graph_contract import (
     eagle_draft_io,
 )
 from .eagle_heads import EagleHead
-from .fused_graph import AttentionShape, GraphBuilder, check_silu, float32_array
+from .fused_graph import AttentionShape, GraphBuilder, check_fusable, float32_array
 
 
 def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
@@ -40,7 +40,7 @@ def build_fused_eagle_head(head: EagleHead, tokens: int, width: int, top_k: int,
     if tokens < 1:
         raise ValueError(f"a head graph needs T >= 1, got {tokens}")
     cfg, t = head.cfg, TOKENS_DIM
-    check_silu(cfg)
+    check_fusable(cfg)
     eps = float(cfg.rms_norm_eps)
     shape = AttentionShape(None, KVGeometry(head.num_layers, head.num_heads, head.num_kv_heads, head.head_dim))
     b = GraphBuilder(wide_mask=True)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 from ..runtime.config import ExportConfig, load_export_config, to_dict
 from ..runtime.errors import SpecDeployError
-from ..runtime.graph_contract import TARGET
+from ..runtime.graph_contract import DRAFT, TARGET
 from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
 from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
 from ..runtime.tree_files import TreePaths
-from .hf_loading import check_loadable, check_same_vocab, is_self_draft, read_hf_config
+from .hf_loading import check_loadable, check_same_vocab, fused_unsupported, is_self_draft, read_hf_config
 from .method_export import MethodExport, load_export_step
 from .out_dir import OWNED, Staging, checked_out_dir
 
@@ -118,6 +118,12 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         check_loadable(draft, draft_cfg)
         check_same_vocab(Path(target), Path(draft), target_cfg, draft_cfg)
         check_context("draft", draft_cfg, cfg.max_context)
+    if quantize is not None:
+        for model, model_cfg in ((TARGET, target_cfg), (DRAFT, draft_cfg)):
+            reason = model_cfg is not None and model in quantize.schemes and fused_unsupported(model_cfg)
+            if reason:
+                raise SpecDeployError(f"quantized weights rewrite the fused ORT CPU graphs, and the {model} can have "
+                                      f"none: {reason}")
         if is_self_draft(target, draft) and methods["draft"].draft_vocab:
             # the target's whole LM head: its dir holds no draft vocabulary, and the manifest says so
             methods["draft"] = replace(methods["draft"], draft_vocab=0)

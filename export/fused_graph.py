@@ -73,6 +73,7 @@ from ..runtime.graph_contract import (
     past_of,
     present_name,
 )
+from .hf_loading import fused_unsupported
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 BATCH_DIM = "batch"  # the batched graph's decode rows (build_fused_decoder(batched=True))
@@ -386,10 +387,11 @@ class BatchPlan:
                 helper.make_tensor_value_info(LONE_ROW, TensorProto.BOOL, [1])]
 
 
-def check_silu(cfg) -> None:
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise SpecDeployError(f"fused graphs support the silu MLP only (this model has hidden_act={act!r})")
+def check_fusable(cfg) -> None:
+    """The exporters skip fused graphs for such a model (export/hf_loading.py, fused_unsupported)."""
+    reason = fused_unsupported(cfg)
+    if reason:
+        raise SpecDeployError(f"no fused graph for this model: {reason}")
 
 
 def decoder_body(b: GraphBuilder, causal_lm, attend, feature_layers: tuple[int, ...] = ()) -> tuple[str, list[str]]:
@@ -442,7 +444,7 @@ def build_fused_decoder(causal_lm, tokens: int, max_positions: int,
             raise ValueError("the batched graph outputs no layer features")
         return build_batched_decoder(causal_lm, max_positions, runs)
     cfg = causal_lm.config
-    check_silu(cfg)
+    check_fusable(cfg)
     body = causal_lm.model
     shape = AttentionShape(None, KVGeometry.from_config(cfg))
     t = TOKENS_DIM
@@ -485,7 +487,7 @@ def build_batched_decoder(causal_lm, max_positions: int, runs: int = RUNS) -> on
     are GroupQueryAttention's own, so the buffers bound as the If's outputs are written in
     place as in the batch-1 graph."""
     cfg = causal_lm.config
-    check_silu(cfg)
+    check_fusable(cfg)
     shape = AttentionShape(None, KVGeometry.from_config(cfg))
     t = TOKENS_DIM
     b = GraphBuilder()

@@ -209,6 +209,26 @@ def token_table(model_dir: Path, cfg: dict) -> dict[int, str]:
     return table
 
 
+SILU_ACTS = ("silu", "swish")  # transformers maps both names to SiLU
+# ONNX Runtime's CPU GroupQueryAttention (with its rotary) refuses other head sizes: 100 ("must be a
+# multiple of 8", open_llama_3b's 3200 / 32), 24 ("a multiple of 16").
+FUSED_HEAD_DIM_MULTIPLE = 16
+
+
+def fused_unsupported(cfg) -> str | None:
+    """Why a model of this HF config (config.json's dict, or a config object) can have no fused
+    ORT-CPU graphs (export/fused_graph.py); None when it can. Its portable graphs serve either way."""
+    get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
+    act = get("hidden_act", "silu")
+    if act not in SILU_ACTS:
+        return f"hidden_act {act!r} (they have the SiLU MLP only)"
+    head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+    if head_dim % FUSED_HEAD_DIM_MULTIPLE:
+        return (f"head_dim {head_dim} (ONNX Runtime's CPU GroupQueryAttention takes multiples of "
+                f"{FUSED_HEAD_DIM_MULTIPLE})")
+    return None
+
+
 def check_same_vocab(target_dir: Path, draft_dir: Path, target_cfg: dict, draft_cfg: dict) -> None:
     """A draft must speak the target's vocabulary, or its tokens mean nothing. Checked with whatever
     the draft has (it may ship no tokenizer.json): vocab_size, every token id both sides name, the

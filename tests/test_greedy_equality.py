@@ -128,3 +128,56 @@ def test_streamed_text_equals_full_decode(micro):
     pieces = [detok.push(t) for t in ids] + [detok.flush()]
     assert "".join(pieces) == micro.tokenizer.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.fixture(scope="module")
+def odd_models(micro_family, tmp_path_factory) -> dict:
+    """Llama-family configurations whose fused graphs were refused or could not run."""
+    from specdeploy.train.family import make_random_model
+
+    root, tok = tmp_path_factory.mktemp("odd_models"), micro_family / "tokenizer"
+    return {
+        # open_llama_3b's 3200 / 32 = 100 is the same case: ONNX Runtime's CPU attention refuses it
+        "head_dim_24": make_random_model("llama", root / "hd24", tok, seed=3, overrides={"hidden_size": 96,
+                                                                                         "head_dim": 24}),
+        "swish": make_random_model("llama", root / "swish", tok, seed=4, overrides={"hidden_act": "swish"}),
+    }
+
+
+def test_a_head_size_the_fused_graphs_cannot_take_exports_portable_graphs(odd_models, tmp_path):
+    """The export used to fail its check on fused graphs ONNX Runtime cannot run (and with --no-check
+    published graphs that crashed generate): now it writes the portable graphs only, says why, passes its
+    check, and decodes like Hugging Face."""
+    import json
+
+    from conftest import run_cli
+
+    model, out = odd_models["head_dim_24"], tmp_path / "hd24"
+    proc = run_cli("export", "--target", model, "--draft", model, "--out", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "target: no fused graphs for head_dim 24" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["check"] == "passed"
+    assert all(g.get("flavor", "portable") == "portable" for g in manifest["graphs"].values())
+    ids = [5, 6, 7, 8, 9]
+    for method in ("ar", "draft", "prompt-lookup"):
+        gen = run_cli("generate", out, "--method", method, "--prompt-ids", ",".join(map(str, ids)),
+                      "--max-new-tokens", "16", "--ignore-eos", "--json")
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout.splitlines()[-1])["token_ids"] == hf_greedy(model, ids, 16), method
+    # quantized weights rewrite fused graphs: refused before anything is written
+    proc = run_cli("export", "--target", model, "--out", tmp_path / "q", "--weights", "int8")
+    assert proc.returncode == 2 and "head_dim 24" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "q").exists()
+
+
+def test_swish_is_silu_for_the_fused_graphs(odd_models, tmp_path):
+    from specdeploy.export.exporter import export_all
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    model = odd_models["swish"]
+    export = LoadedExport(export_all(model, tmp_path / "swish", progress=lambda msg: None))
+    assert export.decoder("target").fused
+    ids = [5, 6, 7, 8, 9]
+    assert generate(export, ids, method="ar", max_new_tokens=16, ignore_eos=True).token_ids == hf_greedy(model, ids, 16)

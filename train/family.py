@@ -342,7 +342,7 @@ def _build(spec: Preset, out_dir: Path, say: Progress) -> dict:
 RANDOM_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _random_config(arch: str, vocab_size: int):
+def _random_config(arch: str, vocab_size: int, overrides: dict | None = None):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -352,18 +352,26 @@ def _random_config(arch: str, vocab_size: int):
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
     if arch == "llama":
-        return LlamaConfig(head_dim=16, **common)
-    if arch == "mistral":
-        return MistralConfig(head_dim=16, sliding_window=None, **common)
-    if arch == "qwen2":  # q/k/v projections carry a bias
-        return Qwen2Config(use_sliding_window=False, **common)
-    assert arch == "qwen3", arch  # per-head RMSNorm on q and k
-    return Qwen3Config(head_dim=16, attention_bias=False, use_sliding_window=False, **common)
+        common.update(head_dim=16)
+        cls = LlamaConfig
+    elif arch == "mistral":
+        common.update(head_dim=16, sliding_window=None)
+        cls = MistralConfig
+    elif arch == "qwen2":  # q/k/v projections carry a bias
+        common.update(use_sliding_window=False)
+        cls = Qwen2Config
+    else:
+        assert arch == "qwen3", arch  # per-head RMSNorm on q and k
+        common.update(head_dim=16, attention_bias=False, use_sliding_window=False)
+        cls = Qwen3Config
+    return cls(**{**common, **(overrides or {})})
 
 
 
-def make_random_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A tiny random-init HF causal LM of `arch` (with the tokenizer copied in) for architecture tests.
+def make_random_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0,
+                      overrides: dict | None = None) -> Path:
+    """A tiny random-init HF causal LM of `arch` (with the tokenizer copied in) for architecture tests;
+    `overrides`: config fields to set (e.g. a head size the fused graphs cannot take).
 
     initializer_range 0.2 makes the logits peaked, so argmax ties between an
     exported graph and PyTorch are unlikely.
@@ -374,7 +382,7 @@ def make_random_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int =
         raise ValueError(f"unknown architecture {arch!r}; expected one of {RANDOM_ARCHS}")
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     vocab_size = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
-    config = _random_config(arch, vocab_size)
+    config = _random_config(arch, vocab_size, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     # HF inits biases to 0 and norm weights to 1; perturb them so an exporter that
