@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..runtime.config import ExportConfig, load_export_config, to_dict
+from ..runtime.config import ExportConfig, load_export_config, load_yaml, to_dict
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import DRAFT, TARGET
 from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check, sha256_file, write_manifest
@@ -31,10 +31,42 @@ if TYPE_CHECKING:
 def check_context(name: str, cfg: dict, max_context: int) -> None:
     limit = cfg.get("max_position_embeddings")
     if limit and max_context > limit:
-        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s max_position_embeddings {limit}")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s max_position_embeddings {limit}: set "
+                              f"max_context: {limit} (or less) in a --config YAML")
+    window = sliding_window(cfg)
     if window and max_context > window:
-        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s sliding window {window} (not supported)")
+        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s sliding window {window} (not supported): "
+                              f"set max_context: {window} (or less) in a --config YAML")
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """The window some layer attends within, as transformers reads config.json; None: every layer
+    attends the whole context. Mistral's window holds for every layer; Qwen2's and Qwen3's only with
+    use_sliding_window, and only for the layers `layer_types` names (by default those from
+    max_window_layers on: none when it is at least the layer count)."""
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):
+        return None
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return window if "sliding_attention" in types else None
+    first = cfg.get("max_window_layers")
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(first, int) and isinstance(layers, int) and first >= layers:
+        return None
+    return window
+
+
+def fit_context(cfg: ExportConfig, config: Path | None, target_cfg: dict, progress) -> ExportConfig:
+    """ExportConfig's max_context is a default, and a small model may not reach it: unless the user's
+    --config sets max_context, take the target's max_position_embeddings then (said in one line)."""
+    limit = target_cfg.get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 2 <= limit < cfg.max_context \
+            or (config is not None and "max_context" in load_yaml(config)):
+        return cfg
+    progress(f"max_context {limit}: the target's max_position_embeddings, below the default {cfg.max_context} "
+             "(max_context in a --config YAML chooses)")
+    return replace(cfg, max_context=limit, prefill_chunk=min(cfg.prefill_chunk, limit // 2))
 
 
 def special_tokens(target_dir: Path, cfg: dict) -> dict:
@@ -106,10 +138,11 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     methods = export_methods(overrides, sources)
     steps: dict[str, MethodExport] = {name: load_export_step(spec.export_step)(sources[spec.export_input])
                                       for name, spec in REGISTRY.items() if name in methods and spec.export_step}
-    token_counts = target_token_counts(cfg, methods)  # config errors before anything is written
     if quantize is not None:
         quantize.check_fused(dtype, fused)
     target_cfg = read_hf_config(target)
+    cfg = fit_context(cfg, config, target_cfg, progress)
+    token_counts = target_token_counts(cfg, methods)  # config errors before anything is written
     check_loadable(target, target_cfg)
     check_context("target", target_cfg, cfg.max_context)
     draft_cfg = None

@@ -141,6 +141,8 @@ def odd_models(micro_family, tmp_path_factory) -> dict:
         "head_dim_24": make_random_model("llama", root / "hd24", tok, seed=3, overrides={"hidden_size": 96,
                                                                                          "head_dim": 24}),
         "swish": make_random_model("llama", root / "swish", tok, seed=4, overrides={"hidden_act": "swish"}),
+        "short_context": make_random_model("qwen2", root / "short", tok, seed=5,
+                                           overrides={"max_position_embeddings": 96}),
     }
 
 
@@ -181,3 +183,18 @@ def test_swish_is_silu_for_the_fused_graphs(odd_models, tmp_path):
     assert export.decoder("target").fused
     ids = [5, 6, 7, 8, 9]
     assert generate(export, ids, method="ar", max_new_tokens=16, ignore_eos=True).token_ids == hf_greedy(model, ids, 16)
+
+
+def test_a_model_shorter_than_the_default_context_exports_at_its_own(odd_models, tmp_path):
+    """ExportConfig's max_context 512 used to refuse it ("exceeds max_position_embeddings") with no hint."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    model, said = odd_models["short_context"], []
+    export = LoadedExport(export_all(model, tmp_path / "short", progress=said.append))
+    assert export.manifest.max_context == 96 and any("max_context 96" in line for line in said)
+    ids = list(range(5, 45))
+    ours = generate(export, ids, method="prompt-lookup", max_new_tokens=200, ignore_eos=True)
+    assert ours.finish_reason == "length" and len(ids) + len(ours.token_ids) <= 96
+    assert ours.token_ids[:24] == hf_greedy(model, ids, 24)
