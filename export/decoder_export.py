@@ -32,7 +32,7 @@ from ..runtime.graph_contract import (
 )
 from .batched_graph import write_batched_target
 from .decoder_graph import DecoderGraph
-from .draft_vocab import read_draft_vocab, restrict_lm_head
+from .draft_vocab import read_draft_vocab, restrict_lm_head, with_input_vocab
 from .fused_graph import FUSED_DTYPES, build_fused_decoder, write_fused
 from .hf_loading import fused_unsupported, is_self_draft, load_causal_lm, torch_dtype
 from .method_export import MethodExport
@@ -216,13 +216,19 @@ def write_graphs(out: Path, target: Path, draft: Path | None, dtype: str, cfg: E
         same = is_self_draft(target, draft)  # the target's own weights: read once (nothing mutates them)
         progress(f"draft: the target's model ({dtype})" if same else f"loading draft from {draft} ({dtype})")
         draft_model = target_model if same else load_causal_lm(Path(draft), dtype)
-        subset = read_draft_vocab(Path(draft), methods["draft"].draft_vocab, draft_model.config.vocab_size, DRAFT,
-                                  progress)
-        dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused,
-                               vocab_subset=subset, reuse=exporter, reuse_fused=TARGET not in quantized)
+        vocab, draft_vocab = target_model.config.vocab_size, draft_model.config.vocab_size
+        shared = min(vocab, draft_vocab)  # sizes differ by embedding padding only (hf_loading.check_same_vocab)
+        subset = read_draft_vocab(Path(draft), methods["draft"].draft_vocab, shared, DRAFT, progress)
         if subset is not None:
             progress(f"  the draft drafts among the {len(subset)} most frequent tokens (draft_vocab.json)")
-        elif same and not feature_layers:
+        if draft_vocab != vocab:
+            progress(f"  the draft's vocab_size is {draft_vocab}, the target's {vocab} (padding): it reads every "
+                     f"target token and drafts among the first {shared}")
+            draft_model = with_input_vocab(draft_model, vocab)
+            subset = subset if subset is not None else list(range(shared))
+        dexp = DecoderExporter(DRAFT, draft_model, draft, out, dtype, cfg.max_context, progress, fused=fused,
+                               vocab_subset=subset, reuse=exporter, reuse_fused=TARGET not in quantized)
+        if subset is None and same and not feature_layers:
             dexp.same_graphs_as(exporter, fused=TARGET not in quantized)
         models[DRAFT] = dexp.record
         for t in draft_token_counts(cfg):

@@ -101,13 +101,21 @@ def test_vocab_mismatch_between_draft_and_target(micro_family, tmp_path):
 
 
 def test_vocab_size_mismatch(micro_family, tmp_path):
+    """Sizes may differ by padding only: with the same tokenizer both sides (tests/test_draft_vocab_padding.py);
+    a draft without one, or smaller than the ids its tokenizer names, is refused."""
     draft = tmp_path / "draft"
-    shutil.copytree(micro_family / "draft", draft)
+    shutil.copytree(micro_family / "draft", draft,
+                    ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
     cfg = json.loads((draft / "config.json").read_text())
     cfg["vocab_size"] += 8
     (draft / "config.json").write_text(json.dumps(cfg))
     proc = run_cli("export", "--target", micro_family / "target", "--draft", draft, "--out", tmp_path / "out")
-    assert_clean_error(proc, "vocabulary mismatch", "vocab_size")
+    assert_clean_error(proc, "vocabulary mismatch", "vocab_size", "same tokenizer.json")
+    shutil.copy(micro_family / "target" / "tokenizer.json", draft)
+    cfg["vocab_size"] -= 16  # fewer rows than the tokenizer's ids
+    (draft / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli("export", "--target", micro_family / "target", "--draft", draft, "--out", tmp_path / "out")
+    assert_clean_error(proc, "vocabulary mismatch", "names ids up to")
 
 
 def test_corrupt_weights_at_export(micro_family, tmp_path):
