@@ -20,7 +20,14 @@ from ..runtime.manifest import MANIFEST_NAME, Manifest, load_manifest, set_check
 from ..runtime.manifest_fields import CHECK_PASSED, CHECK_PENDING, CHECK_SKIPPED
 from ..runtime.methods import REGISTRY, method_spec
 from ..runtime.tree_files import TreePaths
-from .hf_loading import check_loadable, check_same_vocab, fused_unsupported, is_self_draft, read_hf_config
+from .hf_loading import (
+    check_loadable,
+    check_same_vocab,
+    fused_unsupported,
+    is_self_draft,
+    longrope_window,
+    read_hf_config,
+)
 from .method_export import MethodExport, load_export_step
 from .out_dir import OWNED, Staging, checked_out_dir
 
@@ -28,10 +35,19 @@ if TYPE_CHECKING:
     from .quantize import QuantPlan
 
 
+def context_limit(cfg: dict) -> tuple[int | None, str]:
+    """The longest context a model's config lets an export take, and which field says so."""
+    limit, why = cfg.get("max_position_embeddings"), "max_position_embeddings"
+    window = longrope_window(cfg)
+    if window is not None and not (isinstance(limit, int) and limit <= window):
+        limit, why = window, "longrope original_max_position_embeddings"
+    return (limit if isinstance(limit, int) and not isinstance(limit, bool) else None), why
+
+
 def check_context(name: str, cfg: dict, max_context: int) -> None:
-    limit = cfg.get("max_position_embeddings")
+    limit, why = context_limit(cfg)
     if limit and max_context > limit:
-        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s max_position_embeddings {limit}: set "
+        raise SpecDeployError(f"max_context {max_context} exceeds {name}'s {why} {limit}: set "
                               f"max_context: {limit} (or less) in a --config YAML")
     window = sliding_window(cfg)
     if window and max_context > window:
@@ -60,11 +76,11 @@ def sliding_window(cfg: dict) -> int | None:
 def fit_context(cfg: ExportConfig, config: Path | None, target_cfg: dict, progress) -> ExportConfig:
     """ExportConfig's max_context is a default, and a small model may not reach it: unless the user's
     --config sets max_context, take the target's max_position_embeddings then (said in one line)."""
-    limit = target_cfg.get("max_position_embeddings")
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 2 <= limit < cfg.max_context \
+    limit, why = context_limit(target_cfg)
+    if limit is None or not 2 <= limit < cfg.max_context \
             or (config is not None and "max_context" in load_yaml(config)):
         return cfg
-    progress(f"max_context {limit}: the target's max_position_embeddings, below the default {cfg.max_context} "
+    progress(f"max_context {limit}: the target's {why}, below the default {cfg.max_context} "
              "(max_context in a --config YAML chooses)")
     return replace(cfg, max_context=limit, prefill_chunk=min(cfg.prefill_chunk, limit // 2))
 

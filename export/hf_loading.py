@@ -78,6 +78,17 @@ def rope_scaling(config) -> dict | None:
     return _scaling(params) if isinstance(params, dict) else _scaling(_field(config, "rope_scaling"))
 
 
+def longrope_window(config) -> int | None:
+    """Under "longrope" scaling, the length transformers switches factors at: a call reaching past it
+    rotates every one of its positions with the long factors, earlier ones with the short. No table by
+    position reproduces that past it, so an export stays within it (export/exporter.py). None otherwise."""
+    scaling = rope_scaling(config)
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return None
+    window = scaling.get("original_max_position_embeddings") or _field(config, "original_max_position_embeddings")
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
 def rope_settings(config) -> dict:
     """The config's RoPE fields as keyword arguments for another LlamaConfig (an EAGLE head's,
     which must rotate positions exactly as its target does): the 4.x spelling, which 4.x reads

@@ -143,6 +143,11 @@ def odd_models(micro_family, tmp_path_factory) -> dict:
         "swish": make_random_model("llama", root / "swish", tok, seed=4, overrides={"hidden_act": "swish"}),
         "short_context": make_random_model("qwen2", root / "short", tok, seed=5,
                                            overrides={"max_position_embeddings": 96}),
+        # transformers rotates a call reaching past 64 positions with the long factors, all its positions
+        "longrope": make_random_model("llama", root / "longrope", tok, seed=6, overrides={
+            "original_max_position_embeddings": 64, "rope_scaling": {
+                "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 1.5 * i for i in range(8)]}}),
     }
 
 
@@ -198,3 +203,28 @@ def test_a_model_shorter_than_the_default_context_exports_at_its_own(odd_models,
     ours = generate(export, ids, method="prompt-lookup", max_new_tokens=200, ignore_eos=True)
     assert ours.finish_reason == "length" and len(ids) + len(ours.token_ids) <= 96
     assert ours.token_ids[:24] == hf_greedy(model, ids, 24)
+
+
+def test_longrope_exports_within_its_window_and_matches_hf(odd_models, tmp_path):
+    """A fused table built in one call over all positions took the long factors everywhere (every token
+    differed from transformers'); an export past the window is refused, since no table by position
+    reproduces transformers there."""
+    import json
+
+    from conftest import run_cli
+
+    model, out = odd_models["longrope"], tmp_path / "longrope"
+    proc = run_cli("export", "--target", model, "--draft", model, "--out", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "max_context 64: the target's longrope original_max_position_embeddings" in proc.stdout
+    assert json.loads((out / "manifest.json").read_text())["check"] == "passed"
+    ids = list(range(5, 25))
+    for graphs in ("fused", "portable"):
+        gen = run_cli("generate", out, "--graphs", graphs, "--method", "draft", "--prompt-ids",
+                      ",".join(map(str, ids)), "--max-new-tokens", "30", "--ignore-eos", "--json")
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout.splitlines()[-1])["token_ids"] == hf_greedy(model, ids, 30), graphs
+    too_long = tmp_path / "long.yaml"
+    too_long.write_text("max_context: 128\n")
+    proc = run_cli("export", "--target", model, "--out", tmp_path / "x", "--config", too_long)
+    assert proc.returncode == 2 and "original_max_position_embeddings 64" in proc.stderr

@@ -43,3 +43,15 @@ def test_a_small_model_gets_its_own_context_unless_the_config_chooses(tmp_path):
     chosen.write_text("max_context: 512\n")
     assert fit_context(ExportConfig(), chosen, {"max_position_embeddings": 100}, said.append) == ExportConfig()
     assert len(said) == 1
+
+
+def test_longrope_bounds_the_context_at_its_window():
+    from specdeploy.export.exporter import context_limit
+
+    longrope = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+                "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    assert context_limit(longrope) == (4096, "longrope original_max_position_embeddings")
+    inside = {**longrope, "rope_scaling": {**longrope["rope_scaling"], "original_max_position_embeddings": 2048}}
+    assert context_limit(inside)[0] == 2048  # the rope_scaling spelling of the window
+    assert context_limit({"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) \
+        == (8192, "max_position_embeddings")
