@@ -137,12 +137,16 @@ def eagle_draft_io(num_layers: int, flavor: str = PORTABLE) -> GraphIO:
 MEDUSA_HEADS_IO = GraphIO((HIDDEN,), (TOPK_IDS, TOPK_LOGPROBS))
 
 
-def decoder_mismatch(file: str, model: ModelRecord, inputs: list[str], logits_width) -> str | None:
-    """How a decoder graph, as its session describes it (input names, the logits' last dimension),
-    disagrees with the manifest's record of its model; None when it does not. A manifest edited or
-    mixed up after export would otherwise fail inside ONNX Runtime ("Missing Input: past_key.2") or,
-    worse, accept token ids the graph has no logits for."""
-    pasts = {name for name in inputs if is_past(name)}
+KV_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}  # an export's dtype -> its KV inputs' ORT type
+
+
+def decoder_mismatch(file: str, model: ModelRecord, inputs: list, logits_width, dtype: str | None = None) -> str | None:
+    """How a decoder graph, as its session describes it (its inputs' names, shapes and types, the logits'
+    last dimension), disagrees with the manifest's record of its model (and the export's `dtype`); None
+    when it does not. A manifest edited or mixed up after export would otherwise fail inside ONNX Runtime
+    ("Missing Input: past_key.2", "Got invalid dimensions for input") or, worse, accept token ids the
+    graph has no logits for. `inputs`: onnxruntime NodeArg-likes (name, shape, type)."""
+    pasts = {arg.name for arg in inputs if is_past(arg.name)}
     want = set(past_names(model.num_layers))
     if pasts != want:
         count = len({kv.layer for kv in map(parse_kv_name, pasts) if kv is not None})
@@ -155,6 +159,19 @@ def decoder_mismatch(file: str, model: ModelRecord, inputs: list[str], logits_wi
     if isinstance(logits_width, int) and logits_width != width:
         return (f"{file} scores {logits_width} tokens per row but the manifest says the vocabulary has {width}: "
                 "re-export")
+    for arg in inputs:
+        if not is_past(arg.name):
+            continue
+        # KV layouts differ by flavor ([1, P, heads, D] portable, [1, heads, S, D] fused): the record's
+        # head count and size must be among the fixed sizes after the batch dimension, whatever the order
+        fixed = [d for d in arg.shape[1:] if isinstance(d, int)]
+        for want in (model.num_kv_heads, model.head_dim):
+            if want not in fixed:
+                return (f"{file}'s KV input {arg.name} has shape {arg.shape}, but the manifest says "
+                        f"{model.num_kv_heads} KV heads of size {model.head_dim}: re-export")
+            fixed.remove(want)
+        if dtype in KV_TYPES and arg.type != KV_TYPES[dtype]:
+            return f"{file}'s KV input {arg.name} is {arg.type}, but the manifest says the export is {dtype}: re-export"
     return None
 
 

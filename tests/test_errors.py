@@ -220,9 +220,13 @@ def test_manifest_that_disagrees_with_its_graphs(broken_copy, graphs):
         # an id the manifest's vocabulary has and the graph does not: refused at load, not scored
         ("vocab_size", vocab + 100, f"1,{vocab + 50}",
          [f"target_{flavor}t1.onnx scores {vocab} tokens", f"has {vocab + 100}"]),
+        # ONNX Runtime said "Got invalid dimensions for input: past_key.0" (an internal error, exit 1)
+        ("num_kv_heads", 1, "1,2", [f"target_{flavor}t1.onnx's KV input past_key.0 has shape", "1 KV heads"]),
+        ("head_dim", 8, "1,2", ["KV input past_key.0 has shape", "of size 8"]),
+        ("dtype", "float16", "1,2", ["KV input past_key.0 is tensor(float)", "export is float16"]),
     ]:
         edited = json.loads(json.dumps(original))
-        edited["models"]["target"][key] = value
+        (edited if key == "dtype" else edited["models"]["target"])[key] = value
         manifest_path.write_text(json.dumps(edited))
         proc = run_cli("generate", broken_copy, "--graphs", graphs, "--prompt-ids", prompt,
                        "--max-new-tokens", "4")

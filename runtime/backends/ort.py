@@ -137,8 +137,8 @@ def open_decoder_session(manifest, record: GraphRecord, backend: str, threads: i
     path = path or manifest.graph_path(record)
     session = open_session(path, backend, threads, providers)
     logits = next((o.shape for o in session.get_outputs() if o.name == LOGITS), [None])
-    problem = decoder_mismatch(path.name, manifest.models[record.model], [i.name for i in session.get_inputs()],
-                               logits[-1])
+    problem = decoder_mismatch(path.name, manifest.models[record.model], session.get_inputs(), logits[-1],
+                               manifest.dtype)
     if problem:
         raise SpecDeployError(problem)
     return session
