@@ -165,11 +165,11 @@ def decoder_mismatch(file: str, model: ModelRecord, inputs: list, logits_width, 
         # KV layouts differ by flavor ([1, P, heads, D] portable, [1, heads, S, D] fused): the record's
         # head count and size must be among the fixed sizes after the batch dimension, whatever the order
         fixed = [d for d in arg.shape[1:] if isinstance(d, int)]
-        for want in (model.num_kv_heads, model.head_dim):
-            if want not in fixed:
+        for size in (model.num_kv_heads, model.head_dim):
+            if size not in fixed:
                 return (f"{file}'s KV input {arg.name} has shape {arg.shape}, but the manifest says "
                         f"{model.num_kv_heads} KV heads of size {model.head_dim}: re-export")
-            fixed.remove(want)
+            fixed.remove(size)
         if dtype in KV_TYPES and arg.type != KV_TYPES[dtype]:
             return f"{file}'s KV input {arg.name} is {arg.type}, but the manifest says the export is {dtype}: re-export"
     return None
