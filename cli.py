@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -390,11 +391,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Writes that fail for the machine's sake, not the program's: reported as such, never as an internal error.
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    # Everything inside the try: building the parser imports the runtime (numpy, ONNX Runtime), long
+    # enough for a Ctrl-C at start-up to land there.
     try:
-        return args.func(args)
+        args = build_parser().parse_args(argv)
+        code = args.func(args)
+        sys.stdout.flush()  # a full disk is reported here, not by the interpreter's flush at exit
+        return code
     except SpecDeployError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -402,13 +410,44 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        _discard_stdout()
         return 1
     except Exception as exc:  # never a traceback for the user; SPECDEPLOY_DEBUG=1 shows it
+        if _interrupted(exc):  # Ctrl-C inside an extension's import: ONNX Runtime's raises ImportError from it
+            print("error: interrupted", file=sys.stderr)
+            return 130
         if os.environ.get("SPECDEPLOY_DEBUG"):
             raise
+        if isinstance(exc, OSError) and exc.errno in OUTPUT_ERRNOS:  # `> /dev/full`, a full or over-quota disk
+            _discard_stdout()
+            print(f"error: could not write {exc.filename or 'the output'}: {exc.strerror}", file=sys.stderr)
+            return 1
         print(f"error: internal error ({type(exc).__name__}: {exc}); rerun with SPECDEPLOY_DEBUG=1 for details",
               file=sys.stderr)
         return 1
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt caused `exc` (its __cause__ or __context__ chain)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for a pipe that closed or a disk that filled
+    would fail again at exit ("Exception ignored ... on flushing sys.stdout", exit 120)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no stdout, or one without a file descriptor
+        pass
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ def cmd_bench(args) -> int:
             raise SpecDeployError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         raise SpecDeployError("--temperature must be >= 0")
+    # Before the run (minutes): no output may replace an input, land in a measured export, or overwrite a
+    # file an earlier bench did not write (report.check_outputs says how its own outputs are recognised).
+    report.check_outputs({"--json": args.json, "--plot": args.plot, "--markdown": args.markdown},
+                         inputs=args.prompts or [], input_dirs=[args.out, *args.quantized])
     files = {p.stem: p for p in args.prompts} if args.prompts else {}  # {}: the shipped sets for this model
     opts = BenchOptions(
         export=args.out, methods=_list(args.methods, list(dict.fromkeys([*ALL_METHODS, *known_methods()])), "method"),

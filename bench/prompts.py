@@ -32,6 +32,7 @@ import json
 from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
+from ..runtime.manifest import parse_json
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 CHAT_SETS = ("chat", "code", "grounded", "repeated")  # models with a chat template (the real default model)
@@ -50,13 +51,17 @@ def load_items(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise SpecDeployError(f"prompt file not found: {path}")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecDeployError(f"cannot read prompt file {path}: {exc}") from None
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecDeployError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            item = parse_json(line)
+        except ValueError as exc:
+            raise SpecDeployError(f"{path}:{n}: not JSON ({exc})") from None
         if isinstance(item, str):
             item = {"prompt": item}
         if not isinstance(item, dict):

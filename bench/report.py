@@ -100,6 +100,111 @@ def precision_lines(result: dict) -> list[str]:
     return out
 
 
+# How an existing file is recognised as an earlier bench's output, which a rerun may replace (`make bench`
+# rewrites bench_out/bench.json, docs/bench.png and BENCHMARKS.md); any other existing file is refused.
+MD_TITLE = "# Benchmarks"
+MD_MARK = "Written by `specdeploy bench --markdown`"  # benchmarks_md's second paragraph
+PNG_MARK = ("Source", "specdeploy bench")  # a tEXt chunk plot() writes into its PNG
+MAX_JSON_BYTES = 256 << 20  # a result is about 1 MB: a bigger file (a model given by mistake) is not ours
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def check_outputs(outputs: dict, inputs=(), input_dirs=()) -> None:
+    """Refuse, before anything runs (a bench runs for minutes), an output path that writing would lose
+    something at or fail on: a directory or device, one of the run's `inputs` (prompt files, a result
+    re-rendered), a path inside one of `input_dirs` (the exports measured), two outputs naming one file,
+    a folder that cannot be written, or an existing file that no earlier bench wrote (a JSON result has
+    'meta' and 'results'; Markdown opens with MD_TITLE and MD_MARK; a PNG carries PNG_MARK)."""
+    from ..runtime.errors import SpecDeployError
+
+    given = {flag: Path(path) for flag, path in outputs.items() if path is not None}
+    same: dict[Path, str] = {}
+    for flag, path in given.items():
+        where = f"{flag} {path}"
+        if path.is_dir():
+            raise SpecDeployError(f"{where} is a directory; give a file name (e.g. {path / _DEFAULT_NAMES[flag]})")
+        if path.exists() and not path.is_file():  # a device or a pipe: never read or replaced
+            raise SpecDeployError(f"{where} is not a regular file; give a file name")
+        real = path.resolve()
+        if real in same:
+            raise SpecDeployError(f"{where}: {same[real]} names the same file; give each output its own")
+        same[real] = flag
+        if any(real == Path(p).resolve() for p in inputs):
+            raise SpecDeployError(f"{where} is one of this run's inputs; refusing to overwrite it: choose another "
+                                  "file")
+        for d in input_dirs:
+            if real.is_relative_to(Path(d).resolve()):
+                raise SpecDeployError(f"{where} is inside the export {d} being measured; choose a file outside it")
+        folder = next(p for p in real.parents if p.exists() or p == p.parent)
+        if not folder.is_dir():
+            raise SpecDeployError(f"{where}: {folder} is not a directory")
+        if not os.access(path if path.exists() else folder, os.W_OK):
+            raise SpecDeployError(f"{where}: no permission to write {path if path.exists() else folder}")
+    for flag, path in given.items():
+        if path.exists() and not _written_by_bench(flag, path):
+            raise SpecDeployError(f"{flag} {path} exists and was not written by `specdeploy bench`; refusing to "
+                                  "overwrite it: choose another file")
+
+
+_DEFAULT_NAMES = {"--json": "bench.json", "--plot": "bench.png", "--markdown": "BENCHMARKS.md"}
+
+
+def _written_by_bench(flag: str, path: Path) -> bool:
+    if flag == "--json":
+        return _bench_json(path) is not None
+    if flag == "--markdown":
+        return _bench_markdown(path)
+    return _png_text(path).get(PNG_MARK[0]) == PNG_MARK[1]
+
+
+def _bench_json(path: Path) -> dict | None:
+    import json
+
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_JSON_BYTES:
+            return None
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("meta"), dict) and "results" in doc else None
+
+
+def _bench_markdown(path: Path) -> bool:
+    """Whether `path` opens as the reports benchmarks_md writes do."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return False
+    return head[:1] == [MD_TITLE] and any(line.startswith(MD_MARK) for line in head[1:4])
+
+
+def _png_text(path: Path) -> dict[str, str]:
+    """A PNG's tEXt entries before its image data ({} for anything else)."""
+    import struct
+
+    out: dict[str, str] = {}
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != PNG_SIGNATURE:
+                return out
+            for _ in range(64):
+                head = f.read(8)
+                if len(head) < 8:
+                    break
+                size, kind = struct.unpack(">I4s", head)
+                if kind in (b"IDAT", b"IEND") or size > 1 << 20:
+                    break
+                data = f.read(size)
+                f.read(4)  # CRC
+                if kind == b"tEXt" and b"\0" in data:
+                    key, value = data.split(b"\0", 1)
+                    out[key.decode("latin-1")] = value.decode("latin-1")
+    except OSError:
+        pass
+    return out
+
+
 def plot(result: dict, path: str | Path) -> Path:
     """Tokens/s per method, peers beside ours, each bar labelled with its speedup over the set's best AR."""
     import matplotlib
@@ -157,7 +262,8 @@ def plot(result: dict, path: str | Path) -> Path:
              "dashed: the best float AR",
              ha="center", fontsize=7, color="dimgrey")
     fig.tight_layout(rect=(0, 0.04, 1, 0.86))
-    fig.savefig(path, dpi=80)
+    png = path.suffix.lower() in (".png", "")  # matplotlib's default format; other formats take other keys
+    fig.savefig(path, dpi=80, metadata={PNG_MARK[0]: PNG_MARK[1]} if png else None)
     plt.close(fig)
     return path
 
@@ -244,8 +350,8 @@ def _quantized_targets(set_name: str, rows: dict) -> list[tuple[str, str, bool |
 
 def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
     meta, mach, limit = result["meta"], result["machine"], result["limit"]
-    lines = ["# Benchmarks", "",
-             f"Written by `specdeploy bench --markdown` (`make bench`) on {meta['date']}; regenerate it rather "
+    lines = [MD_TITLE, "",
+             f"{MD_MARK} (`make bench`) on {meta['date']}; regenerate it rather "
              "than edit it.", "",
              "```", meta["command"] or "specdeploy bench", "```", ""]
     lines += ["## Machine", "",
@@ -448,6 +554,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path)
     p.add_argument("--markdown", type=Path)
     args = p.parse_args(argv)
+    from ..runtime.errors import SpecDeployError
+
+    try:
+        check_outputs({"--plot": args.plot, "--markdown": args.markdown}, inputs=[args.json])
+    except SpecDeployError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result = json.loads(args.json.read_text())
     plot_path = plot(result, args.plot) if args.plot else None
     if args.markdown:

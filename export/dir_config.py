@@ -3,10 +3,10 @@ missing or broken (no directory, no file, not JSON, not an object)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
+from ..runtime.manifest import parse_json
 
 
 def read_dir_config(model_dir: Path, name: str, what: str, hint: str) -> dict:
@@ -19,8 +19,8 @@ def read_dir_config(model_dir: Path, name: str, what: str, hint: str) -> dict:
     if not path.is_file():
         raise SpecDeployError(f"{model_dir} has no {name}{hint}")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        cfg = parse_json(path.read_text())
+    except ValueError as exc:  # malformed, not UTF-8, or nested past the parser's recursion limit
         raise SpecDeployError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise SpecDeployError(f"{path} must be a JSON object")

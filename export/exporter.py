@@ -6,7 +6,6 @@ input is one clear error within a second."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -26,6 +25,7 @@ from .hf_loading import (
     fused_unsupported,
     is_self_draft,
     longrope_window,
+    model_json,
     read_hf_config,
 )
 from .method_export import MethodExport, load_export_step
@@ -88,8 +88,9 @@ def fit_context(cfg: ExportConfig, config: Path | None, target_cfg: dict, progre
 def special_tokens(target_dir: Path, cfg: dict) -> dict:
     eos = cfg.get("eos_token_id")
     gen_path = Path(target_dir) / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    generation = model_json(gen_path)
+    if isinstance(generation, dict):
+        eos = generation.get("eos_token_id", eos)
     eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
     return {"bos_token_id": cfg.get("bos_token_id"), "eos_token_ids": eos_ids, "pad_token_id": cfg.get("pad_token_id")}
 
@@ -176,6 +177,7 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         if is_self_draft(target, draft) and methods["draft"].draft_vocab:
             # the target's whole LM head: its dir holds no draft vocabulary, and the manifest says so
             methods["draft"] = replace(methods["draft"], draft_vocab=0)
+    specials = special_tokens(Path(target), target_cfg)  # generation_config.json read before minutes of export
     if not (Path(target) / "tokenizer.json").is_file():
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
     for name, step in steps.items():  # heads checked against the target before anything is written
@@ -201,7 +203,7 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         seconds = round(time.perf_counter() - start, 1)
         write_manifest(stage.path, dtype=dtype, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
                        models=models, graphs=graphs,
-                       tokenizer={"dir": "tokenizer", **special_tokens(Path(target), target_cfg)},
+                       tokenizer={"dir": "tokenizer", **specials},
                        methods={name: to_dict(settings) for name, settings in methods.items()}, files=files,
                        check=CHECK_PENDING if check else CHECK_SKIPPED, exported_in_s=seconds, **facts)
         # The staged export as the runtime will load it (every field and path validated); checksums

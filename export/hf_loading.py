@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
+from ..runtime.manifest import parse_json
 from .dir_config import read_dir_config
 
 # torch and transformers load in ~10 s: this module imports neither at the top, so a bad model
@@ -152,20 +153,20 @@ def load_causal_lm(model_dir: Path, dtype: str = "float32"):
     return model.eval()
 
 
-def _json_file(path: Path):
+def model_json(path: Path):
     """A model dir's JSON file, None when absent, one clear error when unreadable."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return parse_json(path.read_text())
+    except ValueError as exc:
         raise SpecDeployError(f"{path} is not valid JSON: {exc}") from None
 
 
 def tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
     """The base vocabulary (token -> id) from tokenizer.json, else vocab.json; None without either."""
     path = Path(model_dir) / "tokenizer.json"
-    data = _json_file(path)
+    data = model_json(path)
     if data is not None:
         try:
             vocab = data["model"]["vocab"]
@@ -174,19 +175,19 @@ def tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
             return dict(vocab)
         except (KeyError, TypeError, ValueError) as exc:
             raise SpecDeployError(f"{path} is not a valid tokenizer file: {exc!r}") from None
-    vocab = _json_file(Path(model_dir) / "vocab.json")
+    vocab = model_json(Path(model_dir) / "vocab.json")
     return dict(vocab) if isinstance(vocab, dict) else None
 
 
 def _added_tokens(model_dir: Path) -> tuple[dict[int, str], set[int]]:
     """(id -> content, ids marked special) of the added tokens in tokenizer.json and tokenizer_config.json."""
     tokens, special = {}, set()
-    for entry in (_json_file(Path(model_dir) / "tokenizer.json") or {}).get("added_tokens") or []:
+    for entry in (model_json(Path(model_dir) / "tokenizer.json") or {}).get("added_tokens") or []:
         if isinstance(entry, dict) and isinstance(entry.get("id"), int):
             tokens[entry["id"]] = entry.get("content")
             if entry.get("special"):
                 special.add(entry["id"])
-    decoder = (_json_file(Path(model_dir) / "tokenizer_config.json") or {}).get("added_tokens_decoder") or {}
+    decoder = (model_json(Path(model_dir) / "tokenizer_config.json") or {}).get("added_tokens_decoder") or {}
     for key, entry in decoder.items() if isinstance(decoder, dict) else ():
         if str(key).isdigit() and isinstance(entry, dict):
             tokens.setdefault(int(key), entry.get("content"))
@@ -197,7 +198,7 @@ def _added_tokens(model_dir: Path) -> tuple[dict[int, str], set[int]]:
 
 def special_token_ids(model_dir: Path, cfg: dict) -> dict[str, list[int]]:
     """bos/eos ids from config.json (eos also from generation_config.json), as lists."""
-    gen = _json_file(Path(model_dir) / "generation_config.json") or {}
+    gen = model_json(Path(model_dir) / "generation_config.json") or {}
     ids = {}
     for name in ("bos_token", "eos_token"):
         values = [cfg.get(f"{name}_id"), gen.get(f"{name}_id")]
@@ -211,7 +212,7 @@ def token_table(model_dir: Path, cfg: dict) -> dict[int, str]:
     vocabulary, the added tokens, and special_tokens_map.json's tokens at the config's ids."""
     table = {i: token for token, i in (tokenizer_vocab(model_dir) or {}).items()}
     table.update(_added_tokens(model_dir)[0])
-    named = _json_file(Path(model_dir) / "special_tokens_map.json") or {}
+    named = model_json(Path(model_dir) / "special_tokens_map.json") or {}
     for name, ids in special_token_ids(model_dir, cfg).items():
         content = named.get(name)
         content = content.get("content") if isinstance(content, dict) else content

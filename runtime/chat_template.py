@@ -107,6 +107,8 @@ def _json_file(path: Path) -> dict:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:  # '[' * 100000: nested past the parser's recursion limit
+        raise SpecDeployError(f"{path.name} in the tokenizer dir is not valid JSON: nested too deeply") from None
     except ValueError as exc:
         raise SpecDeployError(f"{path.name} in the tokenizer dir is not valid JSON: {exc}") from None
     return data if isinstance(data, dict) else {}

@@ -18,7 +18,7 @@ from .drafters.base import DecodeState, Drafter, Proposal
 from .errors import SpecDeployError
 from .loaded_export import LoadedExport
 from .methods import build_drafter, resolve_method
-from .sampling import PositionNoise, SamplingParams, fresh_seed
+from .sampling import PositionNoise, SamplingParams, as_int, fresh_seed
 from .tokenizer import IncrementalDecoder
 from .verify import Verdict, verify
 
@@ -69,8 +69,10 @@ def checked_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens: int) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens: int) -> int:
+    """Checks a request against the export; returns max_new_tokens as a Python int (numpy's integers too)."""
+    new = as_int(max_new_tokens)
+    if new is None or new < 1:
         raise SpecDeployError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not prompt_ids:
         raise SpecDeployError("the prompt is empty")
@@ -83,6 +85,7 @@ def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens
             f"prompt is {len(prompt_ids)} tokens; the export's max context is {export.manifest.max_context} "
             "(it must leave room for at least one new token)"
         )
+    return new
 
 
 class _PrefillCancelled(Exception):
@@ -108,7 +111,7 @@ class Generation:
         self.params = params or SamplingParams()
         prompt_ids = checked_ids(prompt_ids)
         stop, ignore_eos = checked_stop(stop), checked_flag(ignore_eos, "ignore_eos")
-        validate_request(export, prompt_ids, max_new_tokens)
+        max_new_tokens = validate_request(export, prompt_ids, max_new_tokens)
         method = resolve_method(method, export)  # `auto`: the export's recommended method
         self.export, self.method, self.max_new = export, method, max_new_tokens
         config = export.method_config(method, method_overrides)

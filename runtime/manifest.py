@@ -122,6 +122,16 @@ def add_graph(out: Path, record: GraphRecord, files: list[str]) -> None:
     _write_json(path, data)
 
 
+def parse_json(text: str):
+    """json.loads for a file the user gave (a manifest, a prompts or tree file): nesting deeper than the
+    parser's recursion limit ('[' * 100000) is a ValueError like any other malformed JSON, not a
+    RecursionError. Callers catch ValueError (JSONDecodeError and UnicodeDecodeError are ValueErrors too)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _read(export_dir: str | Path) -> tuple[Path, Path, dict]:
     root = Path(export_dir)
     if not root.exists():
@@ -134,8 +144,8 @@ def _read(export_dir: str | Path) -> tuple[Path, Path, dict]:
     if not path.is_file():
         raise SpecDeployError(f"no {MANIFEST_NAME} in {root} (run `specdeploy export` first)")
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = parse_json(path.read_text())
+    except ValueError as exc:
         raise SpecDeployError(f"manifest {path} is not valid JSON: {exc}") from None
     except OSError as exc:
         raise SpecDeployError(f"cannot read {path}: {exc.strerror or exc}") from None

@@ -11,6 +11,7 @@ Two schemes (SamplingParams.sampling):
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 from dataclasses import dataclass
 
@@ -19,6 +20,25 @@ import numpy as np
 from .errors import SpecDeployError
 
 SCHEMES = ("seeded", "rejection")
+
+
+def as_int(value) -> int | None:
+    """An integer of any kind (int, numpy's integers: numbers.Integral) as a Python int; None for anything
+    else, bools included (True is no count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def as_real(value) -> float | None:
+    """A real number of any kind (int, float, numpy's floats and ints: numbers.Real) as a Python float;
+    None for anything else, bools included, and for an int too big for a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -30,19 +50,24 @@ class SamplingParams:
     sampling: str | None = None  # "seeded" | "rejection"; None: the method's default (Drafter.default_sampling)
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise SpecDeployError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        # numpy scalars (np.float32(0.5), np.int64(5)) are numbers too: taken as Python floats and ints
+        t = as_real(self.temperature)
+        if t is None or not math.isfinite(t) or t < 0:
+            raise SpecDeployError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        top_k = as_int(self.top_k)
+        if top_k is None or top_k < 0:
             raise SpecDeployError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        p = self.top_p
+        p = as_real(self.top_p)
         # 0 keeps the most probable token only (as in transformers and the OpenAI API)
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 <= p <= 1:
-            raise SpecDeployError(f"top_p must be in [0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+        if p is None or not math.isfinite(p) or not 0 <= p <= 1:
+            raise SpecDeployError(f"top_p must be in [0, 1], got {self.top_p!r}")
+        seed = None if self.seed is None else as_int(self.seed)
+        if self.seed is not None and (seed is None or seed < 0):
             raise SpecDeployError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.seed is not None and self.seed >= 2**64:
+        if seed is not None and seed >= 2**64:
             raise SpecDeployError(f"seed must be below 2**64, got {self.seed!r}")
+        for name, value in (("temperature", t), ("top_k", top_k), ("top_p", p), ("seed", seed)):
+            object.__setattr__(self, name, value)  # frozen: the checked Python value replaces the given one
         if self.sampling is not None and self.sampling not in SCHEMES:
             raise SpecDeployError(f"sampling must be one of {', '.join(SCHEMES)}, got {self.sampling!r}")
 

@@ -7,7 +7,6 @@ Validation of the paths themselves is runtime/tree.Tree.from_paths.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +22,13 @@ def tree_names() -> list[str]:
 
 
 def read_tree_file(path: Path) -> list:
+    from .manifest import parse_json
+
     try:
-        data = json.loads(Path(path).read_text())
+        data = parse_json(Path(path).read_text())
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecDeployError(f"could not read tree file {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:
         raise SpecDeployError(f"tree file {path} is not valid JSON: {exc}") from None
     paths = data.get("paths") if isinstance(data, dict) else data
     if not isinstance(paths, list):

@@ -242,19 +242,22 @@ def tune(export, method: str, prompts: list[list[int]], max_new_tokens: int = 64
 
 def read_prompts_file(path) -> list[str]:
     """Calibration prompts: a .json list of strings, or .jsonl lines (a string or {"prompt": ...})."""
-    import json
     from pathlib import Path
+
+    from .manifest import parse_json
 
     path = Path(path)
     if not path.is_file():
         raise SpecDeployError(f"prompts file not found: {path}")
     try:
         if path.suffix == ".jsonl":
-            items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            items = [parse_json(line) for line in path.read_text().splitlines() if line.strip()]
         else:
-            items = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            items = parse_json(path.read_text())
+    except ValueError as exc:
         raise SpecDeployError(f"prompts file {path} is not valid JSON/JSONL: {exc}") from None
+    except OSError as exc:
+        raise SpecDeployError(f"cannot read prompts file {path}: {exc.strerror or exc}") from None
     if not isinstance(items, list):
         raise SpecDeployError(f"prompts file {path}: expected a list of strings")
     prompts = [item.get("prompt") if isinstance(item, dict) else item for item in items]
@@ -272,8 +275,9 @@ def check_tree_out(path) -> None:
     """Refuse an --out that write_tree must not replace, before the calibration (minutes) runs:
     a directory, or an existing file that an earlier tune-tree did not write (the prompts file,
     an export's manifest.json, ...: nothing the user gave is overwritten)."""
-    import json
     from pathlib import Path
+
+    from .manifest import parse_json
 
     path = Path(path)
     if path.is_dir():
@@ -282,7 +286,7 @@ def check_tree_out(path) -> None:
         raise SpecDeployError(f"--out {path} is not a regular file; give the tree file's name")
     if path.exists():
         try:  # a tree file is kilobytes: a big file (a model given by mistake) is not read whole
-            doc = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= MAX_TREE_BYTES else None
+            doc = parse_json(path.read_text(encoding="utf-8")) if path.stat().st_size <= MAX_TREE_BYTES else None
         except (OSError, ValueError):
             doc = None
         if not (isinstance(doc, dict) and doc.get("source") == TREE_SOURCE):

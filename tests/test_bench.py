@@ -4,6 +4,7 @@ the roofline's byte counts; the llama.cpp peer (when its venv exists)."""
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -86,6 +87,51 @@ def test_table_plot_and_markdown(bench):
     assert "## Machine" in md and "bench.png" in md and "tokens/s" in md and "## The machine's limit" in md
     assert "share of bound" in md and "The bound holds" in md
     assert "[" in bench.proc.stderr and "tok/s" in bench.proc.stderr  # progress while it runs
+
+
+def test_a_rerun_replaces_its_own_outputs_and_refuses_anything_else(micro_export, tmp_path):
+    """`make bench` reruns with the same --json/--plot/--markdown: what a bench wrote is replaced (a plot
+    written before PNGs carried their mark too, as the report's recorded command names it); a file that is
+    not a bench's output is refused before anything runs, and left as it was."""
+    from specdeploy.bench.report import PNG_MARK, _png_text
+
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    out = {"--json": tmp_path / "bench.json", "--plot": tmp_path / "bench.png", "--markdown": tmp_path / "BENCH.md"}
+
+    def bench(**paths):
+        flags = [x for flag, path in {**out, **paths}.items() for x in (flag, path)]
+        return run_cli("bench", micro_export, "--methods", "ar", "--peers", "none", "--prompts", prompts,
+                       "--num-prompts", 1, "--warm-prompts", 1, "--max-new-tokens", 4, "--repeats", 1,
+                       "--no-bandwidth", *flags, timeout=180)
+
+    first = bench()
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert _png_text(out["--plot"])[PNG_MARK[0]] == PNG_MARK[1]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.figure().savefig(out["--plot"])  # as plot() wrote before the mark: a Matplotlib PNG without it
+    plt.close("all")
+    assert PNG_MARK[0] not in _png_text(out["--plot"])
+    for path in out.values():
+        os.utime(path, (0, 0))
+    again = bench()
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert all(path.stat().st_mtime > 0 for path in out.values())  # each rewritten
+    assert _png_text(out["--plot"])[PNG_MARK[0]] == PNG_MARK[1]
+    assert json.loads(out["--json"].read_text())["meta"]["command"].endswith(f"--markdown {out['--markdown']}")
+    theirs = tmp_path / "theirs.png"
+    plt.figure().savefig(theirs)  # a PNG no report of this run names
+    plt.close("all")
+    for flag, path in (("--plot", theirs), ("--json", prompts)):
+        before = path.read_bytes()
+        refused = bench(**{flag: path})
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.strip().splitlines()[-1].startswith(f"error: {flag} {path}")
+        assert "starting workers" not in refused.stderr and path.read_bytes() == before
 
 
 def test_mismatch_counting_is_real():

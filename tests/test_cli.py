@@ -157,3 +157,48 @@ def test_demo_runs_every_method_in_one_process_with_ar_tokens(micro_export):
     assert typo.stderr.strip().splitlines() == [f"error: unknown method 'bogus' (this export has: {choices})"]
     bad = run_cli("demo", micro_export, "--prompt", "x", "--system", "be brief")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --system goes with --chat")
+
+
+def test_ctrl_c_at_any_point_of_start_up_is_one_line(micro_export):
+    """SIGINT while main built its parser (importing the runtime) or while ONNX Runtime's extension
+    initialised (an ImportError from the KeyboardInterrupt) printed a traceback; now `error: interrupted`
+    and exit 130 wherever it lands, or exit 0 when the generation had finished. CPython ends a process
+    whose KeyboardInterrupt went through an extension's import (or that gets SIGINT while finalising)
+    by SIGINT itself: -2 here, exit status 130 to a shell, which is the same."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import REPO, SPECDEPLOY
+
+    outcomes = []
+    for delay in (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5):
+        proc = subprocess.Popen([*SPECDEPLOY, "generate", str(micro_export), "--prompt", "x", "--max-new-tokens", "64"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert "Traceback" not in err and proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)
+        if proc.returncode == 130:
+            assert err.strip().splitlines()[-1] == "error: interrupted", err
+        outcomes.append(proc.returncode)
+    assert 130 in outcomes, outcomes  # the signal did land before the end
+
+
+def test_a_full_disk_is_one_clear_error_not_an_internal_one(micro_export):
+    """`specdeploy generate ... > /dev/full`: streamed text fails at its first flush, --json's line at
+    the flush before exit (it was the interpreter's 'Exception ignored', exit 120); both are the
+    environment's fault, said so in one line."""
+    import subprocess
+
+    from conftest import REPO, SPECDEPLOY
+
+    for extra in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([*SPECDEPLOY, "generate", str(micro_export), "--prompt", "def f(x):",
+                                   "--max-new-tokens", "8", *extra], stdout=full, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO, timeout=120)
+        assert proc.returncode == 1, (extra, proc.returncode, proc.stderr)
+        assert proc.stderr.strip().splitlines()[-1] == "error: could not write the output: No space left on device", \
+            proc.stderr
+        assert "internal error" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr

@@ -232,3 +232,31 @@ def test_manifest_that_disagrees_with_its_graphs(broken_copy, graphs):
                        "--max-new-tokens", "4")
         assert proc.returncode == 2
         assert_clean_error(proc, *needles, "re-export")
+
+
+def test_json_nested_too_deeply_is_not_valid_json(broken_copy, micro_export, tmp_path):
+    """'[' * 100000 (past the parser's recursion limit) as manifest.json or tune-tree's --prompts file was an
+    internal error (RecursionError); now a user error, exit 2."""
+    deep = "[" * 100000 + "]" * 100000
+    (broken_copy / "manifest.json").write_text(deep)
+    proc = gen(broken_copy)
+    assert_clean_error(proc, "manifest.json is not valid JSON: nested too deeply")
+    assert proc.returncode == 2
+    for name in ("deep.json", "deep.jsonl"):
+        (tmp_path / name).write_text(deep + "\n")
+        proc = run_cli("tune-tree", micro_export, "--prompts", tmp_path / name, "--out", tmp_path / "tree.json")
+        assert_clean_error(proc, f"prompts file {tmp_path / name} is not valid JSON/JSONL: nested too deeply")
+        assert proc.returncode == 2 and not (tmp_path / "tree.json").exists()
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "config.json", "tokenizer_config.json"])
+def test_a_model_dir_json_that_is_not_json_fails_the_export_at_once(micro_family, tmp_path, name):
+    """generation_config.json was read only when the manifest was written, after every graph (an internal
+    error then); any model-dir JSON nested past the parser's limit was a RecursionError."""
+    target = tmp_path / "target"
+    shutil.copytree(micro_family / "target", target)
+    for text in ("{not json", "[" * 100000 + "]" * 100000):
+        (target / name).write_text(text)
+        proc = run_cli("export", "--target", target, "--draft", target, "--out", tmp_path / "out", timeout=60)
+        assert_clean_error(proc, f"{name} is not valid JSON")
+        assert proc.returncode == 2 and not (tmp_path / "out").exists()

@@ -20,14 +20,13 @@ bytes it deserializes (`check_engine_bytes`): a plan is code TensorRT runs.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from ..containment import inside
 from ..errors import SpecDeployError
 from ..graph_contract import DECODER
-from ..manifest import Manifest, sha256_file
+from ..manifest import Manifest, parse_json, sha256_file
 from ..manifest_fields import SHA256
 
 ENGINES_JSON = "engines.json"
@@ -44,8 +43,8 @@ def load_engines(root: str | Path) -> dict:
     if not path.is_file():
         return {"format": FORMAT, "engines": {}}
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = parse_json(path.read_text())
+    except ValueError as exc:
         raise SpecDeployError(
             f"{path} is not valid JSON ({exc}); delete it and run `specdeploy engines` again") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("engines"), dict):

@@ -92,3 +92,65 @@ def test_every_serve_limit_is_named_by_an_option_serve_has():
     for field in fields(ServeLimits):
         named = _option(field.name).split()[0]
         assert named == field.name if field.name in API_ONLY else named in options, (field.name, named)
+
+
+def _one_error_line(proc, start: str, reason: str) -> None:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {start}") and reason in lines[0], lines
+
+
+def test_bench_outputs_are_checked_before_it_runs_and_never_overwrite_an_input(tmp_path):
+    """--json/--plot/--markdown overwrote any file (its own --prompts file, the measured export's
+    manifest.json), and a directory failed only after the whole run. Now each is refused before the export
+    is read (none exists here), and every file is left as it was."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "manifest.json").write_text('{"format": 1}')
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n')
+    foreign = tmp_path / "notes.md"
+    foreign.write_text("# my notes\n")
+    (tmp_path / "out").mkdir()
+    before = {p: p.read_bytes() for p in (export / "manifest.json", prompts, foreign)}
+    refusals = [(["--json", prompts], f"--json {prompts}", "is one of this run's inputs"),
+                (["--markdown", export / "manifest.json"], f"--markdown {export / 'manifest.json'}",
+                 f"is inside the export {export} being measured"),
+                (["--plot", export / "bench.png"], "--plot", "is inside the export"),  # a new file there too
+                (["--plot", tmp_path / "out"], f"--plot {tmp_path / 'out'}", "is a directory"),
+                (["--markdown", foreign], f"--markdown {foreign}", "exists and was not written by `specdeploy bench`"),
+                (["--json", tmp_path / "r.json", "--markdown", tmp_path / "r.json"], "--markdown",
+                 "--json names the same file"),
+                (["--json", foreign / "r.json"], f"--json {foreign / 'r.json'}", "is not a directory")]
+    for flags, start, reason in refusals:
+        proc = run_cli("bench", export, "--prompts", prompts, "--peers", "none", *flags, timeout=60)
+        _one_error_line(proc, start, reason)
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["code.jsonl", "export", "notes.md", "out"]
+
+
+def test_make_bench_may_rewrite_its_committed_outputs(monkeypatch):
+    """`make bench` passes the same --json/--plot/--markdown every run: the files an earlier run wrote
+    (BENCHMARKS.md and docs/bench.png are committed, the plot with its mark) may be replaced; a file of
+    the user's may not."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from specdeploy.bench.report import check_outputs
+    from specdeploy.runtime.errors import SpecDeployError
+
+    repo = Path(__file__).resolve().parents[2]
+    recipe = re.search(r"^bench:.*\n((?:\t.*\n)+)", (repo / "Makefile").read_text(), re.M).group(1)
+    words = shlex.split(recipe.replace("\\\n", " "))
+    outputs = {flag: Path(words[words.index(flag) + 1]) for flag in ("--json", "--plot", "--markdown")}
+    assert outputs == {"--json": Path("bench_out/bench.json"), "--plot": Path("docs/bench.png"),
+                       "--markdown": Path("BENCHMARKS.md")}
+    monkeypatch.chdir(repo)  # make runs there: the paths are relative to it
+    assert outputs["--markdown"].is_file() and outputs["--plot"].is_file()
+    check_outputs(outputs, input_dirs=[Path("build/export/default")])
+    check_outputs({"--plot": outputs["--plot"]})
+    with pytest.raises(SpecDeployError, match="--plot README.md exists and was not written by"):
+        check_outputs({"--plot": Path("README.md")})
+    with pytest.raises(SpecDeployError, match="--markdown README.md exists and was not written by"):
+        check_outputs({**outputs, "--markdown": Path("README.md")})

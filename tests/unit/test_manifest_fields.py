@@ -125,3 +125,34 @@ def test_hostile_manifest_value_is_one_clear_error(tmp_path, case):
     message = str(info.value)
     assert needle in message and "\n" not in message, message
     assert snapshot(export) == before  # refusing never changes the export
+
+
+DEEP_JSON = "[" * 100000 + "]" * 100000  # past the JSON parser's recursion limit
+
+
+def test_json_nested_past_the_recursion_limit_is_invalid_json_not_an_internal_error(tmp_path):
+    """'[' * 100000 as manifest.json raised RecursionError (an internal error); so did a tune-tree prompts
+    file, a --tree file, a tree --out file and a tokenizer dir's JSON. Each says the file is not valid JSON."""
+    from specdeploy.runtime.chat_template import ChatTemplate
+    from specdeploy.runtime.tree_files import read_tree_file
+    from specdeploy.runtime.tree_tuning import check_tree_out, read_prompts_file
+
+    export = tmp_path / "export"
+    export.mkdir()
+    write_export(export)
+    (export / "manifest.json").write_text(DEEP_JSON)
+    with pytest.raises(SpecDeployError, match=r"manifest .*manifest.json is not valid JSON: nested too deeply$"):
+        load_manifest(export)
+    for name in ("prompts.json", "prompts.jsonl"):
+        (tmp_path / name).write_text(DEEP_JSON + "\n")
+        with pytest.raises(SpecDeployError, match=f"prompts file .*{name} is not valid JSON/JSONL: nested too deeply"):
+            read_prompts_file(tmp_path / name)
+    with pytest.raises(SpecDeployError, match="tree file .* is not valid JSON: nested too deeply"):
+        read_tree_file(tmp_path / "prompts.json")
+    with pytest.raises(SpecDeployError, match="is not a tree written by `specdeploy tune-tree`"):
+        check_tree_out(tmp_path / "prompts.json")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(DEEP_JSON)
+    with pytest.raises(SpecDeployError, match="tokenizer_config.json in the tokenizer dir is not valid JSON: nested"):
+        ChatTemplate.from_tokenizer_dir(tmp_path / "tokenizer")
+    assert (tmp_path / "prompts.json").read_text() == DEEP_JSON + "\n"  # refused, not overwritten

@@ -194,3 +194,19 @@ def test_released_noise_is_forgotten_and_drawn_again_the_same():
     noise.release(15)
     assert sorted(noise._cache) == list(range(15, 20))
     np.testing.assert_array_equal(noise.exponentials(12, 8), kept[12])
+
+
+def test_numpy_numbers_are_numbers():
+    """np.float32(0.5) was refused as 'temperature must be a finite number >= 0' (and np.int64 as top_k or
+    seed): numbers of any kind are taken, as Python floats and ints; bools and non-numbers still are not."""
+    p = SamplingParams(np.float32(0.5), np.int64(5), np.float16(0.5), np.uint64(2**64 - 1))
+    assert (p.temperature, p.top_k, p.top_p, p.seed) == (0.5, 5, 0.5, 2**64 - 1)
+    assert [type(v) for v in (p.temperature, p.top_k, p.top_p, p.seed)] == [float, int, float, int]
+    assert p == SamplingParams(0.5, 5, 0.5, 2**64 - 1)
+    assert SamplingParams(np.float64(0.0)).greedy and SamplingParams(np.int32(1)).temperature == 1.0
+    for kwargs, needle in [({"temperature": np.bool_(True)}, "temperature"), ({"temperature": 10**400}, "temperature"),
+                           ({"temperature": "0.5"}, "temperature"), ({"top_k": np.float64(2.0)}, "top_k"),
+                           ({"top_p": np.float32("nan")}, "top_p"), ({"seed": np.int64(-1)}, "seed must be a non"),
+                           ({"seed": np.bool_(False)}, "seed")]:
+        with pytest.raises(SpecDeployError, match=needle):
+            SamplingParams(**kwargs)
