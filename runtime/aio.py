@@ -8,6 +8,7 @@ keeps answering other requests while generations run:
     async for event in run:      # TokenEvents as they are produced
         ...
     run.cancel()                 # e.g. the client went away: frees the instance within one step
+    run.abort(error)             # e.g. shutdown: as cancel, and the reader gets `error` now, not after the step
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class AsyncRequest:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._thread = threading.Thread(target=self._run, name=f"specdeploy-{str(request.id)[:8]}", daemon=True)
         self._started: asyncio.Future | None = None  # start()'s outcome, for every caller after the first
+        self._aborted = False
 
     async def start(self) -> bool:
         """Wait (without blocking the loop) for an instance; raises what Request.start raises. Iterating
@@ -101,6 +103,23 @@ class AsyncRequest:
 
     def cancel(self) -> None:
         self.request.cancel()
+
+    def abort(self, error: BaseException) -> None:
+        """Cancel, and end what the reader sees with `error` at once (start(), the events, result() raise
+        it after the events already produced) rather than when the worker ends its step: a step may take
+        long, a shutdown should not wait on it to answer. The worker still frees its instance when the
+        step ends (Service.close waits for that). Event loop thread only; later calls do nothing."""
+        self.request.cancel()
+        if not self._aborted:
+            self._aborted = True
+            self._queue.put_nowait((_ERROR, error))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait (blocking) up to `timeout` seconds for the worker thread to end; True if it has (or never started)."""
+        if self._thread.ident is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- worker thread --------------------------------------------------------------
     def _run(self) -> None:

@@ -33,6 +33,10 @@ class BusyError(SpecDeployError):
     """Every instance is busy and the wait queue is full, or the wait timed out (HTTP 429)."""
 
 
+class PoolClosed(SpecDeployError):
+    """The pool was closed (the service is shutting down): no new request gets an instance."""
+
+
 class Ticket:
     """One waiter's place in the queue; `ExportPool.withdraw(ticket)` gives it up from any thread."""
 
@@ -67,6 +71,8 @@ class ExportPool:
         self._leased: set[int] = set()
         self._waiters: deque[Ticket] = deque()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last leased instance comes back
+        self.closed = False
 
     @property
     def size(self) -> int:
@@ -95,6 +101,8 @@ class ExportPool:
         with self._lock:
             if ticket.withdrawn:
                 return None
+            if self.closed:
+                raise PoolClosed("the service is shutting down: it starts no new requests")
             if self._free and not self._waiters:
                 return self._lease(self._free.pop())
             if len(self._waiters) >= self.queue_size:
@@ -139,6 +147,23 @@ class ExportPool:
                 ticket.event.set()
             else:
                 self._free.append(export)
+                if not self._leased:
+                    self._idle.notify_all()
+
+    def close(self) -> None:
+        """Lend no more instances: later acquires raise PoolClosed, waiters get None (as if withdrawn).
+        Instances already lent stay with their requests until released (see wait_idle)."""
+        with self._lock:
+            self.closed = True
+            while self._waiters:
+                ticket = self._waiters.popleft()
+                ticket.withdrawn = True
+                ticket.event.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: for good) until no instance is leased; True if none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._leased, timeout)
 
     def _lease(self, export):
         self._leased.add(id(export))

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,18 @@ from .generate import (
 from .kv_cache import cache_bytes, require_memory
 from .loaded_export import LoadedExport
 from .methods import AUTO, resolve_method
-from .pool import BusyError, ExportPool, Ticket, check_wait
-from .sampling import SamplingParams
+from .pool import BusyError, ExportPool, PoolClosed, Ticket, check_wait
+from .sampling import SamplingParams, as_int
 
-__all__ = ["Service", "Request", "BusyError", "TokenEvent"]
+__all__ = ["Service", "Request", "BusyError", "PoolClosed", "TokenEvent"]
 
 log = logging.getLogger("specdeploy.runtime")
+
+
+def _plain_int(value):
+    """numpy's integers as Python ints; anything else as given (for its own check to refuse or take)."""
+    n = as_int(value)
+    return value if n is None else n
 
 
 class Service:
@@ -55,6 +62,10 @@ class Service:
         if default_method not in self.methods:
             raise SpecDeployError(self.method_message(default_method))
         self.default_method = default_method
+        # Requests holding an instance, for close(); weak: a request dropped unread must still be
+        # collected (its __del__ hands it to the reaper, which frees the instance).
+        self._running: weakref.WeakSet[Request] = weakref.WeakSet()
+        self._running_lock = threading.Lock()
 
     @classmethod
     def load(cls, export_dir: str | Path, pool_size: int = 1, queue_size: int = 8, queue_timeout: float = 30.0,
@@ -74,6 +85,9 @@ class Service:
         `method`: what a request that names none runs; None or "auto": the export's recommended
         method among those it serves (runtime/methods.py, RECOMMENDED), as a request naming "auto".
         """
+        # numpy's integers are integers: taken as Python ints here, so that the checks below and in the
+        # pool (queue_size), the batch (batch) and ONNX Runtime's options (threads) see ints
+        pool_size, queue_size, batch, threads = map(_plain_int, (pool_size, queue_size, batch, threads))
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise SpecDeployError(f"pool size must be an integer >= 1, got {pool_size!r}")
         pool_type = ExportPool
@@ -105,6 +119,22 @@ class Service:
                         unavailable[name] = str(exc)
                         log.warning("method %r is not available: %s", name, exc)
         return cls(pool_type(exports, queue_size, queue_timeout), AUTO if method is None else method, unavailable)
+
+    # -- shutdown -----------------------------------------------------------------
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop serving: start no new request (PoolClosed), end those waiting in the queue (their start()
+        returns False), cancel those running, and wait up to `timeout` seconds (None: for good) for
+        every instance to come back. True when all did: then no thread of this service is inside ONNX
+        Runtime, nor will one enter it, and the process may exit (an interpreter that finalizes while
+        a thread is inside a `run` aborts when that thread returns: pybind11 takes the GIL back, Python
+        ends the thread with pthread_exit, whose unwinding through C++ calls std::terminate).
+        Safe to call more than once, from any thread."""
+        self.pool.close()
+        with self._running_lock:
+            running = list(self._running)
+        for req in running:
+            req.cancel()
+        return self.pool.wait_idle(timeout)
 
     # -- introspection ------------------------------------------------------------
     @property
@@ -146,7 +176,7 @@ class Service:
         if method not in self.methods:
             raise SpecDeployError(self.method_message(method))
         params = SamplingParams(temperature, top_k, top_p, seed, sampling)
-        validate_request(self.meta, ids, max_new_tokens)
+        max_new_tokens = validate_request(self.meta, ids, max_new_tokens)
         return Request(self, ids, method, params, max_new_tokens, checked_stop(stop), ignore_eos, timeout, request_id)
 
     def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> "Request":
@@ -240,6 +270,8 @@ class Request:
             return False
         with self._lock:
             self._export = export
+            with self.service._running_lock:
+                self.service._running.add(self)
             if self._cancelled:
                 self._release()
                 return False
@@ -313,6 +345,8 @@ class Request:
     def _release(self) -> None:  # caller holds self._lock
         if self._export is not None:
             self._stats = self._collect_stats()
+            with self.service._running_lock:
+                self.service._running.discard(self)
             self.service.pool.release(self._export)
             self._export = None
 

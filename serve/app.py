@@ -8,6 +8,11 @@ thread per generation (runtime/aio.py). A client that goes away — while queued
 prefill, while generating, mid-stream — cancels its request; so does the per-request
 deadline. Errors: 4xx when the request is at fault, 5xx (`internal_error`) when we are;
 a stream reports an error in-band and still ends with `data: [DONE]`.
+
+Shutdown (serve/main.py): `begin_shutdown` refuses new requests (503) and aborts every
+generation in flight, which answers at once — a 503 JSON, or for a stream an in-band error
+then `data: [DONE]` — while its worker stops at its next step; `finish_shutdown` then waits
+until no worker is inside ONNX Runtime, so that the interpreter can finalize safely.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -32,10 +38,19 @@ from ..runtime.aio import AsyncRequest
 from ..runtime.chat_template import ChatTemplate, ChatTemplateError, encode_rendered
 from ..runtime.errors import SpecDeployError
 from ..runtime.methods import AUTO
-from ..runtime.pool import BusyError
+from ..runtime.pool import BusyError, PoolClosed
 from .admission import Admission, Admitted
 from .chat import message_dicts
-from .errors import ApiError, InternalErrorMiddleware, bad_request, busy, error_body, internal, too_large
+from .errors import (
+    ApiError,
+    InternalErrorMiddleware,
+    bad_request,
+    busy,
+    error_body,
+    internal,
+    shutting_down,
+    too_large,
+)
 from .header_limit import HeaderLimitMiddleware
 from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
@@ -102,13 +117,40 @@ class Server:
         self.model_len = limits.model_len(service.max_context)
         self.admission = Admission(limits.concurrent(service.pool.size, service.pool.queue_size))
         self.connection_limit = limits.connections(self.admission.limit)
+        self.closing = False  # shutting down: no new generation, those in flight aborted
+        self.runs: weakref.WeakSet[AsyncRequest] = weakref.WeakSet()  # generations not yet collected
+
+    # -- shutdown ---------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """Admit nothing more and end every generation in flight with a 503 now (event loop thread)."""
+        self.closing = True
+        for run in list(self.runs):
+            run.abort(shutting_down())
+
+    def finish_shutdown(self, timeout: float) -> bool:
+        """Blocking (run it off the event loop): wait up to `timeout` seconds for the workers to stop. True
+        when no thread is inside ONNX Runtime any more (see Service.close) and the process may exit."""
+        deadline = time.monotonic() + timeout
+        stopped = self.service.close(timeout)
+        for run in list(self.runs):  # what a worker does after freeing its instance (metrics, its last event)
+            run.join(max(0.0, min(1.0, deadline - time.monotonic())))
+        return stopped
 
     # -- admission and request parsing -------------------------------------------------
     def admit(self, request: Request) -> Admitted:
+        if self.closing:
+            raise shutting_down()
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media_type != "application/json":
             raise ApiError(415, "the request body must be JSON sent with 'Content-Type: application/json'",
                            None, "unsupported_media_type")
+        # The body is read as it comes: a compressed one would fail as "not valid JSON", which is not why.
+        codings = [c.strip().lower() for value in request.headers.getlist("content-encoding")
+                   for c in value.split(",") if c.strip()]
+        unsupported = [c for c in codings if c != "identity"]
+        if unsupported:
+            raise ApiError(415, f"Content-Encoding {', '.join(unsupported)} is not supported; send the body "
+                           "uncompressed", None, "unsupported_content_encoding")
         admitted = None if self.service.pool.saturated() else self.admission.enter()
         if admitted is None:
             raise busy(f"server busy: {self.admission.active} requests in flight for {self.service.pool.size} "
@@ -276,11 +318,15 @@ class Server:
                 admitted.release()
 
     def _run(self, request: Request, options: dict) -> AsyncRequest:
+        if self.closing:  # the shutdown began while the body was read or the prompt tokenized
+            raise shutting_down()
         try:
             req = self.service.request(**options, request_id=request.state.request_id)
         except SpecDeployError as exc:  # the server checked the same things; this is a last line
             raise bad_request(str(exc)) from None
-        return AsyncRequest(req, on_finish=self.metrics.observe_generation)
+        run = AsyncRequest(req, on_finish=self.metrics.observe_generation)
+        self.runs.add(run)
+        return run
 
     async def _start(self, request: Request, run: AsyncRequest, deadline: _Deadline) -> bool:
         """Wait for a worker; False if the client went away meanwhile."""
@@ -300,6 +346,8 @@ class Server:
             return exc
         if isinstance(exc, BusyError):
             return busy(str(exc))
+        if isinstance(exc, PoolClosed):
+            return shutting_down()
         request_id = request.state.request_id
         log.error("request %s: internal error while generating", request_id, exc_info=exc)
         return internal(f"internal error while generating (request id {request_id}; details in the server log)")
@@ -349,6 +397,36 @@ class _Cleanup:
         self.run.cancel()
         self.deadline.stop()
         self.admitted.release()
+
+
+class _ShutdownCutoffMiddleware:
+    """Outermost: a request still running when uvicorn's graceful shutdown times out (a client that stopped
+    reading its stream, or sending its body) is cancelled by uvicorn, which would log it as "Exception in
+    ASGI application" with a traceback (and answer a plain-text 500 if nothing was sent yet). It ends
+    here: one log line, and a JSON 503 if its response had not started."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = [False]
+
+        async def send_tracked(message):
+            started[0] = started[0] or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            return await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if not self.server.closing:
+                raise
+            request_id = scope.get("state", {}).get("request_id")
+            log.warning("request %s: %s %s cut off: still running when the graceful shutdown timed out",
+                        request_id, scope.get("method"), scope.get("path"))
+            if not started[0]:
+                await shutting_down().response()(scope, receive, send)
 
 
 def _release_after(work: asyncio.Future, admitted: Admitted) -> None:
@@ -445,6 +523,7 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id"], max_age=600)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(_ShutdownCutoffMiddleware, server=server)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):

@@ -72,6 +72,11 @@ def busy(message: str) -> ApiError:
     return ApiError(429, message, None, "server_busy", headers={"Retry-After": "1"})
 
 
+def shutting_down() -> ApiError:
+    """A generation request the server will not finish: it is shutting down (SIGINT, SIGTERM)."""
+    return ApiError(503, "the server is shutting down; retry later", None, "server_shutting_down")
+
+
 def internal(message: str = "internal server error", code: str = "internal_error") -> ApiError:
     return ApiError(500, message, None, code)
 

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from ..runtime.errors import SpecDeployError
 from .limits import CONNECTION_HEADROOM
 
 API_KEY_ENV = "SPECDEPLOY_API_KEY"
+GRACEFUL_SHUTDOWN_S = 5.0  # uvicorn's wait for responses to end (aborted at once: only slow readers need it)
+WORKER_STOP_S = 30.0  # then for every worker to leave ONNX Runtime (cancelled: within one step)
+
+log = logging.getLogger("specdeploy.serve")
 
 
 def is_loopback(host: str) -> bool:
@@ -116,17 +123,61 @@ def _serve(args, sock, limits, api_key, origins) -> int:
           f"{server.admission.limit} requests in flight, context {server.model_len}; "
           f"API key {'required' if api_key else 'not set'})", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=5, http=HeaderLimitedH11Protocol,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, http=HeaderLimitedH11Protocol,
                             h11_max_incomplete_event_size=limits.max_header_bytes,
                             limit_concurrency=uvicorn_limit(server.connection_limit))  # the app answers first, in JSON
-    served = uvicorn.Server(config)
+    served = _uvicorn_server(config, server)
     try:
         served.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal (as uvicorn.run, quietly)
         pass
+    if threading.current_thread() is threading.main_thread():
+        # Shut down: one more Ctrl-C (pressed several times) must not turn this exit into a KeyboardInterrupt
+        # or, once the interpreter finalizes (it restores SIG_DFL), into a death by SIGINT.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not served.started:
         raise SpecDeployError("the server failed to start (see the log above)")
+    if not served.workers_stopped:
+        # A thread still inside ONNX Runtime would abort the process (SIGABRT) when it returns into an
+        # interpreter that is finalizing (see Service.close): leave without finalizing.
+        log.error("a generation did not stop within %g s of the shutdown; exiting without waiting for it",
+                  WORKER_STOP_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
+
+
+def _uvicorn_server(config, server):
+    """uvicorn's server, with our generations ended when it shuts down (SIGINT, SIGTERM): new requests get
+    503 and those in flight end at once (a JSON 503; a stream's in-band error, then [DONE]), so its wait
+    for the connections is short; then it waits for the workers to leave ONNX Runtime before the
+    process exits (SIGINT: run() returns and the interpreter finalizes; SIGTERM: uvicorn re-raises it)."""
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        def __init__(self, config, server):
+            super().__init__(config)
+            self.app_server = server
+            self.workers_stopped = True
+
+        def handle_exit(self, sig, frame) -> None:
+            repeated = self.should_exit
+            super().handle_exit(sig, frame)  # a second SIGINT: force_exit (no wait for slow clients)
+            captured = getattr(self, "_captured_signals", None)
+            if repeated and captured:  # uvicorn re-raises each one after shutdown: a second KeyboardInterrupt
+                captured.pop()  # escaped `except KeyboardInterrupt` (exit -2, with a traceback)
+
+        async def shutdown(self, sockets=None) -> None:
+            self.app_server.begin_shutdown()
+            try:
+                await super().shutdown(sockets)
+                if self.force_exit:  # uvicorn skips the app's shutdown then: its task, cancelled later, logs a
+                    await self.lifespan.shutdown()  # traceback; ours is quick (it stops the template processes)
+            finally:
+                self.workers_stopped = await asyncio.to_thread(self.app_server.finish_shutdown, WORKER_STOP_S)
+
+    return Uvicorn(config, server)
 
 
 def add_serve_arguments(s) -> None:

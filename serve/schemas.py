@@ -1,8 +1,14 @@
 """Request bodies of the OpenAI endpoints, validated strictly (a wrong type is a 400, never coerced).
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 when set to a
-non-default value rather than silently ignored; purely informational ones (`user`,
-`metadata`, ...) are accepted and ignored. Extensions: `method`, `top_k`, `ignore_eos`.
+non-default value rather than silently ignored (`unsupported()`): what changes the output
+(n, penalties, logit_bias, logprobs, echo, best_of, suffix) or asks for a capability the model
+does not have here (tools and the legacy functions/function_call, response_format, audio
+output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself refuses it for
+a model that does not reason). Accepted and ignored, as they change nothing in the text
+generated: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
+`safety_identifier`, `parallel_tool_calls` (moot without tools) and `prediction` (a hint
+that only speeds up a matching output). Extensions: `method`, `top_k`, `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -88,14 +94,26 @@ class ChatRequest(_Common):
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Any = None
+    functions: Optional[list] = None  # OpenAI's deprecated form of tools
+    function_call: Any = None  # and of tool_choice
     response_format: Optional[dict] = None
+    modalities: Optional[list] = None
+    audio: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
 
     def unsupported(self):
         fmt = (self.response_format or {}).get("type", "text")
         return super().unsupported() + [("logprobs", bool(self.logprobs)), ("top_logprobs", bool(self.top_logprobs)),
                                         ("tools", bool(self.tools)),
                                         ("tool_choice", self.tool_choice not in (None, "none", "auto")),
-                                        ("response_format", fmt != "text")]
+                                        ("functions", bool(self.functions)),
+                                        ("function_call", self.function_call not in (None, "none", "auto")),
+                                        ("response_format", fmt != "text"),
+                                        ("modalities", self.modalities not in (None, ["text"])),
+                                        ("audio", self.audio is not None),
+                                        ("web_search_options", self.web_search_options is not None),
+                                        ("reasoning_effort", self.reasoning_effort is not None)]
 
 
 # What the OpenAPI document allows for the fields `unsupported()` refuses otherwise.
@@ -111,6 +129,12 @@ SERVED_VALUES = {
     "top_logprobs": {"anyOf": [{"const": 0}, _NULL]},
     "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
     "tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, _NULL]},
+    "functions": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
+    "function_call": {"anyOf": [{"enum": ["none", "auto"]}, _NULL]},
+    "modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}, _NULL]},
+    "audio": _NULL,
+    "web_search_options": _NULL,
+    "reasoning_effort": _NULL,
     "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, _NULL]},
 }
 SERVED_LOGPROBS = {CompletionRequest: _NULL, ChatRequest: {"anyOf": [{"const": False}, _NULL]}}

@@ -178,3 +178,58 @@ def test_malformed_request_gets_a_json_400(limited_server):
 def test_max_model_len_beyond_the_export_is_refused_at_start(micro_export):
     proc = run_cli("serve", micro_export, "--port", "0", "--max-model-len", "100000", timeout=120)
     assert proc.returncode == 2 and "max context" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------ what the server cannot honour
+
+CHAT = {"model": "micro", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"functions": [{"name": "f", "parameters": {}}], "function_call": {"name": "f"}}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+])
+def test_chat_fields_it_cannot_honour_are_refused(limited_server, fields, param):
+    """Legacy function calling, audio output and the like used to be ignored: a 200 with plain text."""
+    resp = httpx.post(f"{limited_server.url}/v1/chat/completions", json={**CHAT, **fields}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_parameter"
+    assert error["param"] == param and f"'{param}'" in error["message"]
+
+
+@pytest.mark.parametrize("fields", [
+    {"functions": [], "function_call": "none"}, {"modalities": ["text"]}, {"function_call": "auto"},
+    {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True,
+     "prediction": {"type": "content", "content": "hi"}},
+])
+def test_chat_fields_that_change_nothing_are_accepted(limited_server, fields):
+    # past validation, this export's missing chat template is what answers
+    resp = httpx.post(f"{limited_server.url}/v1/chat/completions", json={**CHAT, **fields}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "no_chat_template", resp.text
+
+
+def test_completion_suffix_is_refused(limited_server):
+    resp = _post(limited_server, {"model": "micro", "prompt": "x", "suffix": "end"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix", resp.text
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+def test_compressed_body_gets_a_415(limited_server, encoding):
+    import gzip
+
+    raw = gzip.compress(json.dumps({"model": "micro", "prompt": "x", "max_tokens": 2}).encode())
+    resp = httpx.post(f"{limited_server.url}/v1/completions", content=raw, timeout=30,
+                      headers={"content-type": "application/json", "content-encoding": encoding})
+    assert resp.status_code == 415, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "unsupported_content_encoding" and error["type"] == "invalid_request_error"
+    assert f"Content-Encoding {encoding} is not supported; send the body uncompressed" == error["message"]
+    plain = json.dumps({"model": "micro", "prompt": "x", "max_tokens": 2}).encode()
+    resp = httpx.post(f"{limited_server.url}/v1/completions", content=plain, timeout=30,
+                      headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert resp.status_code == 200, resp.text

@@ -218,6 +218,39 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
     assert svc.generate(prompt_ids=np.array(ids), max_new_tokens=3).token_ids == want  # numpy ids are ids
 
 
+def test_numpy_numbers_are_taken_as_numbers(export_dir):
+    """np.int64(3) as max_new_tokens was refused as 'must be an integer >= 1, got np.int64(3)', np.float32(0.5)
+    as 'temperature must be a finite number >= 0'; likewise top_k, seed and Service.load's sizes. Numbers of
+    any kind are taken as the Python numbers they equal; bools and floats for counts still are not."""
+    import numpy as np
+
+    from specdeploy.runtime.generate import generate
+
+    svc = Service.load(export_dir, pool_size=np.int64(1), queue_size=np.int32(2), queue_timeout=np.float32(5),
+                       threads=np.int64(1))
+    assert svc.status()["pool_size"] == 1 and svc.status()["queue_size"] == 2
+    ids = svc.tokenizer.encode("def f(x):")
+    plain = svc.generate(prompt_ids=ids, max_new_tokens=5, temperature=0.5, top_k=5, top_p=0.9, seed=7,
+                         ignore_eos=True)
+    numpy = svc.generate(prompt_ids=np.array(ids), max_new_tokens=np.int64(5), temperature=np.float32(0.5),
+                         top_k=np.int64(5), top_p=np.float64(0.9), seed=np.uint64(7), ignore_eos=True)
+    assert numpy.token_ids == plain.token_ids and len(plain.token_ids) == 5
+    export = LoadedExport(export_dir)
+    greedy = generate(export, ids, max_new_tokens=4, ignore_eos=True).token_ids
+    assert generate(export, ids, max_new_tokens=np.int16(4), ignore_eos=True).token_ids == greedy
+    assert len(greedy) == 4
+    batched = Service.load(export_dir, batch=np.int64(2))
+    assert len(batched.generate(prompt_ids=ids, max_new_tokens=np.int64(2), ignore_eos=True).token_ids) == 2
+    for kwargs, match in [(dict(max_new_tokens=np.float64(3.0)), "max_new_tokens must be an integer"),
+                          (dict(max_new_tokens=np.bool_(True)), "max_new_tokens must be an integer"),
+                          (dict(top_k=np.float32(5)), "top_k must be an integer"),
+                          (dict(temperature=np.bool_(True)), "temperature")]:
+        with pytest.raises(SpecDeployError, match=match):
+            svc.request(prompt_ids=ids, **kwargs)
+    with pytest.raises(SpecDeployError, match="pool size must be an integer >= 1, got 0"):
+        Service.load(export_dir, pool_size=np.int64(0))
+
+
 @pytest.mark.parametrize("batch", [None, 2])
 def test_a_started_request_dropped_unread_frees_its_instance(export_dir, batch):
     """A handler that raised between stream() and reading it dropped its request: collected, it frees
