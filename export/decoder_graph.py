@@ -12,6 +12,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from ..runtime.graph_contract import KVGeometry
+from .hf_loading import longrope_window
 
 
 class DecoderGraph(torch.nn.Module):
@@ -30,6 +31,7 @@ class DecoderGraph(torch.nn.Module):
         geometry = KVGeometry.from_config(causal_lm.config)
         self.num_heads, self.num_kv_heads, self.head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         self.extra_feature_layers = tuple(extra_feature_layers)
+        short_factors(causal_lm.model.rotary_emb)
 
     def _attention(self, layer, x, cos, sin, past_k, past_v, tree_mask):
         attn = layer.self_attn
@@ -55,7 +57,7 @@ class DecoderGraph(torch.nn.Module):
     def forward(self, input_ids, position_ids, tree_mask, *past):
         body = self.lm.model
         h = body.embed_tokens(input_ids)
-        cos, sin = body.rotary_emb(h, position_ids)
+        cos, sin = rotate(body.rotary_emb, h, position_ids)
         presents, features = [], []
         for i, layer in enumerate(body.layers):
             attn_out, new_k, new_v = self._attention(
@@ -73,3 +75,23 @@ class DecoderGraph(torch.nn.Module):
             outs.append(torch.cat(features, -1))
         return (*outs, *presents)
 
+
+
+def rotate(rotary_emb, h, position_ids):
+    """cos/sin of the model's own rotary module at `position_ids`. A longrope module first picks its
+    factors by the call's length, and transformers 5 does it with an in-place copy the ONNX exporter
+    cannot trace; an export stays within the window where it picks the short ones (export/exporter.py),
+    so its rotation is called without that step, on the short factors."""
+    if longrope_window(rotary_emb.config) is not None:
+        plain = getattr(type(rotary_emb).forward, "__wrapped__", None)
+        if plain is not None:
+            return plain(rotary_emb, h, position_ids)
+    return rotary_emb(h, position_ids)
+
+
+def short_factors(rotary_emb) -> None:
+    """Set a longrope module's frequencies to its short factors (outside any trace): a call past its
+    window (the fused RoPE table's last rows) leaves the long ones in it."""
+    if longrope_window(rotary_emb.config) is not None and hasattr(rotary_emb, "original_inv_freq"):
+        with torch.no_grad():
+            rotary_emb.inv_freq.copy_(rotary_emb.original_inv_freq)

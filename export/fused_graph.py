@@ -73,6 +73,7 @@ from ..runtime.graph_contract import (
     past_of,
     present_name,
 )
+from .decoder_graph import short_factors
 from .hf_loading import fused_unsupported, longrope_window
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
@@ -147,6 +148,7 @@ class GraphBuilder:
             parts = [rotary_emb(torch.zeros(1, 1, hidden_size), torch.arange(a, min(a + step, max_positions))[None])
                      for a in range(0, max_positions, step)]
         cos, sin = (torch.cat([p[i] for p in parts], dim=1) for i in (0, 1))
+        short_factors(rotary_emb)  # the calls past the window left the long factors in the module
         half = head_dim // 2
         return (self.init("rope.cos", float32_array(cos[0, :, :half])),
                 self.init("rope.sin", float32_array(sin[0, :, :half])))
