@@ -49,6 +49,7 @@ from .errors import (
     error_body,
     internal,
     shutting_down,
+    start_tracker,
     too_large,
 )
 from .header_limit import HeaderLimitMiddleware
@@ -411,12 +412,7 @@ class _ShutdownCutoffMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = [False]
-
-        async def send_tracked(message):
-            started[0] = started[0] or message["type"] == "http.response.start"
-            await send(message)
-
+        started, send_tracked = start_tracker(send)
         try:
             return await self.app(scope, receive, send_tracked)
         except asyncio.CancelledError:

@@ -81,6 +81,17 @@ def internal(message: str = "internal server error", code: str = "internal_error
     return ApiError(500, message, None, code)
 
 
+def start_tracker(send):
+    """`send` wrapped to note whether the response has started: ([started], wrapped send)."""
+    started = [False]
+
+    async def send_tracked(message):
+        started[0] = started[0] or message["type"] == "http.response.start"
+        await send(message)
+
+    return started, send_tracked
+
+
 class InternalErrorMiddleware:
     """Our own faults (an exception no handler answered): one traceback in the log, with the request id,
     and a JSON 500. Innermost of our middlewares and not re-raised: re-raised, Starlette's outermost
@@ -93,12 +104,7 @@ class InternalErrorMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = [False]
-
-        async def send_tracked(message):
-            started[0] = started[0] or message["type"] == "http.response.start"
-            await send(message)
-
+        started, send_tracked = start_tracker(send)
         try:
             await self.app(scope, receive, send_tracked)
         except Exception as exc:

@@ -105,8 +105,26 @@ def break_decode_graphs(export_dir: Path, first_bad_position: int) -> None:
     its inputs and outputs but adds `logits += table[position_ids]` with a table that short, so a
     later position is an out-of-bounds Gather. Prefill (larger graphs) and the first steps work.
     """
-    import onnx
     from onnx import TensorProto, helper
+
+    def add_fault(graph, raw: str) -> None:
+        table = helper.make_tensor("position_table", TensorProto.FLOAT, [first_bad_position],
+                                   [0.0] * first_bad_position)
+        axes = helper.make_tensor("position_axes", TensorProto.INT64, [1], [2])
+        graph.initializer.extend([table, axes])
+        graph.node.extend([
+            helper.make_node("Gather", ["position_table", "position_ids"], ["position_bias"]),
+            helper.make_node("Unsqueeze", ["position_bias", "position_axes"], ["position_bias3"]),
+            helper.make_node("Add", [raw, "position_bias3"], ["logits"]),
+        ])
+
+    rewrite_decode_logits(export_dir, add_fault)
+
+
+def rewrite_decode_logits(export_dir: Path, rewrite) -> None:
+    """In each one-token target graph of a cloned export, the logits renamed to a raw name and
+    `rewrite(graph, raw_name)` adding the nodes that compute `logits` from it; checksums updated."""
+    import onnx
 
     manifest = json.loads((export_dir / "manifest.json").read_text())
     graphs = [g for g in manifest["graphs"].values()
@@ -115,19 +133,10 @@ def break_decode_graphs(export_dir: Path, first_bad_position: int) -> None:
     for spec in graphs:
         path = export_dir / spec["file"]
         model = onnx.load(str(path), load_external_data=False)
-        graph = model.graph
-        for node in graph.node:
-            node.output[:] = ["logits_unchecked" if name == "logits" else name for name in node.output]
-        table = helper.make_tensor("position_table", TensorProto.FLOAT, [first_bad_position],
-                                   [0.0] * first_bad_position)
-        axes = helper.make_tensor("position_axes", TensorProto.INT64, [1], [2])
-        graph.initializer.extend([table, axes])
-        graph.node.extend([
-            helper.make_node("Gather", ["position_table", "position_ids"], ["position_bias"]),
-            helper.make_node("Unsqueeze", ["position_bias", "position_axes"], ["position_bias3"]),
-            helper.make_node("Add", ["logits_unchecked", "position_bias3"], ["logits"]),
-        ])
-        path.unlink()  # a hard link: never write through it
+        for node in model.graph.node:
+            node.output[:] = ["logits_raw" if name == "logits" else name for name in node.output]
+        rewrite(model.graph, "logits_raw")
+        path.unlink()  # a hard link (clone_export): never write through it
         onnx.save(model, str(path))
         if spec["file"] in manifest.get("files", {}):
             manifest["files"][spec["file"]] = hashlib.sha256(path.read_bytes()).hexdigest()

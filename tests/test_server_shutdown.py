@@ -4,7 +4,6 @@ cleanly — no traceback, and no abort from a worker thread still inside ONNX Ru
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from serve_util import ServerProcess, clone_export
+from serve_util import ServerProcess, clone_export, rewrite_decode_logits
 
 SLOW_SIZE = 1024  # a 1024 x 1024 MatMul per decode step: tens of ms on one thread
 MAX_TOKENS = 500  # with the 4-token prompt, about the micro export's whole context (512)
@@ -25,19 +24,9 @@ def slow_decode_graphs(export_dir: Path, size: int = SLOW_SIZE) -> None:
     (size x size) MatMul of a matrix built from position_ids with zeros, which ONNX Runtime cannot
     fold away. The micro model otherwise decodes a token in well under a millisecond, too fast to
     be caught mid-generation, or inside ONNX Runtime, by a signal."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    manifest = json.loads((export_dir / "manifest.json").read_text())
-    graphs = [g for g in manifest["graphs"].values()
-              if g.get("model") == "target" and g.get("kind") == "decoder" and g.get("tokens") == 1]
-    assert graphs, "the export has no one-token target graph"
-    for spec in graphs:
-        path = export_dir / spec["file"]
-        model = onnx.load(str(path), load_external_data=False)
-        graph = model.graph
-        for node in graph.node:
-            node.output[:] = ["logits_fast" if name == "logits" else name for name in node.output]
+    def add_work(graph, raw: str) -> None:
         graph.initializer.extend([numpy_helper.from_array(np.zeros((size, size), np.float32), "slow_weight"),
                                   numpy_helper.from_array(np.array([size, size], np.int64), "slow_shape")])
         graph.node.extend([
@@ -46,13 +35,10 @@ def slow_decode_graphs(export_dir: Path, size: int = SLOW_SIZE) -> None:
             helper.make_node("Expand", ["slow_sum", "slow_shape"], ["slow_matrix"]),
             helper.make_node("MatMul", ["slow_matrix", "slow_weight"], ["slow_product"]),
             helper.make_node("ReduceSum", ["slow_product"], ["slow_zero"], keepdims=0),
-            helper.make_node("Add", ["logits_fast", "slow_zero"], ["logits"]),
+            helper.make_node("Add", [raw, "slow_zero"], ["logits"]),
         ])
-        path.unlink()  # a hard link (clone_export): never write through it
-        onnx.save(model, str(path))
-        if spec["file"] in manifest.get("files", {}):
-            manifest["files"][spec["file"]] = hashlib.sha256(path.read_bytes()).hexdigest()
-    (export_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+    rewrite_decode_logits(export_dir, add_work)
 
 
 @pytest.fixture(scope="module")
