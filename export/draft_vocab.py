@@ -76,15 +76,12 @@ def restrict_lm_head(causal_lm, token_ids: list[int]):
 
 
 def with_input_vocab(causal_lm, vocab_size: int):
-    """A copy of an HF causal LM that reads token ids up to `vocab_size`: a draft whose vocabulary is the
-    target's but padded to another size (Qwen2.5-0.5B's 151,936 rows beside Qwen2.5-7B's 152,064). Its
-    input embedding gets zero rows for ids past its own (no text has them; the target's logits could
-    still pick one) or loses the rows past `vocab_size`; its LM head is kept, untied (the exporter
-    restricts it to the shared ids with restrict_lm_head)."""
-    old = causal_lm.get_input_embeddings()
-    lm = copy.deepcopy(causal_lm, memo={id(old.weight): old.weight,
-                                        id(causal_lm.get_output_embeddings().weight):
-                                            causal_lm.get_output_embeddings().weight})
+    """`causal_lm`, changed in place (a draft loaded for this export alone), to read token ids up to
+    `vocab_size`: a draft whose vocabulary is the target's but padded to another size (Qwen2.5-0.5B's
+    151,936 rows beside Qwen2.5-7B's 152,064). Its input embedding gets zero rows for ids past its own
+    (no text has them; the target's logits could still pick one) or loses the rows past `vocab_size`;
+    its LM head is kept, untied (the exporter restricts it to the shared ids with restrict_lm_head)."""
+    lm, old = causal_lm, causal_lm.get_input_embeddings()
     rows = min(vocab_size, old.num_embeddings)
     embed = nn.Embedding(vocab_size, old.embedding_dim, dtype=old.weight.dtype)
     with torch.no_grad():

@@ -168,15 +168,15 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
         check_loadable(draft, draft_cfg)
         check_same_vocab(Path(target), Path(draft), target_cfg, draft_cfg)
         check_context("draft", draft_cfg, cfg.max_context)
+        if is_self_draft(target, draft) and methods["draft"].draft_vocab:
+            # the target's whole LM head: its dir holds no draft vocabulary, and the manifest says so
+            methods["draft"] = replace(methods["draft"], draft_vocab=0)
     if quantize is not None:
         for model, model_cfg in ((TARGET, target_cfg), (DRAFT, draft_cfg)):
             reason = model_cfg is not None and model in quantize.schemes and fused_unsupported(model_cfg)
             if reason:
                 raise SpecDeployError(f"quantized weights rewrite the fused ORT CPU graphs, and the {model} can have "
                                       f"none: {reason}")
-        if is_self_draft(target, draft) and methods["draft"].draft_vocab:
-            # the target's whole LM head: its dir holds no draft vocabulary, and the manifest says so
-            methods["draft"] = replace(methods["draft"], draft_vocab=0)
     specials = special_tokens(Path(target), target_cfg)  # generation_config.json read before minutes of export
     if not (Path(target) / "tokenizer.json").is_file():
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")

@@ -230,11 +230,10 @@ FUSED_HEAD_DIM_MULTIPLE = 16
 def fused_unsupported(cfg) -> str | None:
     """Why a model of this HF config (config.json's dict, or a config object) can have no fused
     ORT-CPU graphs (export/fused_graph.py); None when it can. Its portable graphs serve either way."""
-    get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
-    act = get("hidden_act", "silu")
+    act = _field(cfg, "hidden_act") or "silu"
     if act not in SILU_ACTS:
         return f"hidden_act {act!r} (they have the SiLU MLP only)"
-    head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+    head_dim = _field(cfg, "head_dim") or _field(cfg, "hidden_size") // _field(cfg, "num_attention_heads")
     if head_dim % FUSED_HEAD_DIM_MULTIPLE:
         return (f"head_dim {head_dim} (ONNX Runtime's CPU GroupQueryAttention takes multiples of "
                 f"{FUSED_HEAD_DIM_MULTIPLE})")

@@ -283,3 +283,16 @@ def test_batched_rows_self_draft_on_their_own_slots_kv(self_draft):
     assert [r.token_ids for r in got] == want
     ar_calls = [alone.generate(**job, method="draft").stats["target_calls"] for job in jobs]
     assert [r.stats["target_calls"] for r in got] == ar_calls  # drafts as many tokens per call as alone
+
+
+def test_a_float_self_draft_keeps_its_whole_lm_head_too(micro_family, tmp_path):
+    """The target's own dir as a float draft (no quantization): its dir has no draft vocabulary, so a
+    config's draft_vocab is dropped and the manifest says 0 (for a while only quantized exports did)."""
+    from specdeploy.export.exporter import export_all
+
+    config = tmp_path / "config.yaml"
+    config.write_text("methods:\n  draft: {draft_vocab: 64}\n")
+    target = micro_family / "target"
+    out = export_all(target, tmp_path / "out", draft=target, config=config, progress=lambda m: None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["methods"]["draft"]["draft_vocab"] == 0 and "draft_vocab_file" not in manifest["models"]["draft"]
