@@ -158,13 +158,13 @@ def _written_by_bench(flag: str, path: Path) -> bool:
 
 
 def _bench_json(path: Path) -> dict | None:
-    import json
+    from ..runtime.manifest import parse_json
 
     try:
         if not path.is_file() or path.stat().st_size > MAX_JSON_BYTES:
             return None
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        doc = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) and isinstance(doc.get("meta"), dict) and "results" in doc else None
 

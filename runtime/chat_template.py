@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import SpecDeployError
+from .manifest import parse_json
 from .tokenizer import check_text
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -106,10 +107,8 @@ def _json_file(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:  # '[' * 100000: nested past the parser's recursion limit
-        raise SpecDeployError(f"{path.name} in the tokenizer dir is not valid JSON: nested too deeply") from None
-    except ValueError as exc:
+        data = parse_json(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # malformed, not UTF-8, or nested past the parser's recursion limit
         raise SpecDeployError(f"{path.name} in the tokenizer dir is not valid JSON: {exc}") from None
     return data if isinstance(data, dict) else {}
 
