@@ -130,6 +130,40 @@ def _steps(export, prompt: str, overrides: dict, steps: int):
 # ---------------------------------------------------------------- training and layout
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_training_unroll_is_how_the_head_drafts(version):
+    """train.eagle.head_unroll's level j at row i equals the head called as the drafter calls it: the
+    committed rows 0..i in one causal call, then one call per level on its own output, each attending the
+    committed rows and the path's earlier levels (a wrong position, mask or feature pairing differs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdeploy.export.eagle_heads import new_head
+    from specdeploy.train.eagle import head_unroll
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    head = new_head(version, LlamaForCausalLM(cfg).eval(), seed=1, draft_vocab=48).eval()
+    levels, n = 3, 12
+    seqs = torch.randint(0, 96, (2, n))
+    feats = torch.randn(2, n, head.feature_dim)
+    with torch.no_grad():
+        unrolled = head_unroll(head, seqs, feats, levels)
+        for i in (0, 4, n - levels - 1):
+            rows = torch.arange(i + 1)
+            mask = (rows[:, None] >= rows[None, :]).expand(2, i + 1, i + 1)
+            past = [torch.zeros(2, 0, head.num_kv_heads, head.head_dim)] * (2 * head.num_layers)
+            out, presents = head.step(seqs[:, 1 : i + 2], feats[:, : i + 1], rows.expand(2, i + 1), mask, past)
+            past, feature = presents, out[:, -1:]
+            for j in range(levels):
+                if j:  # a draft level: the previous level's output, one position on, seeing its path
+                    path = torch.ones(2, 1, j + 1, dtype=torch.bool)
+                    feature, presents = head.step(seqs[:, i + 1 + j : i + 2 + j], feature,
+                                                  torch.full((2, 1), i + j), path, past)
+                    past = [torch.cat([p, k], 1) for p, k in zip(past, presents)]
+                torch.testing.assert_close(unrolled[j][:, i], feature[:, 0], atol=1e-5, rtol=1e-4)
+
+
 def test_trained_head_is_accurate_and_in_published_layout(trained_head):
     from safetensors.torch import load_file
 
