@@ -9,10 +9,14 @@ lookup's rows at 1.1-1.2 tokens per call ran at 0.86-1.07x plain batching from r
 
 So the gate measures it. The scheduler's calls are grouped into epochs of EPOCH_CALLS. In an
 epoch rows either speculate (as the row policy says) or all decode plainly. An epoch's rate is
-the tokens its rows committed per second, per row-step in a call (so an epoch with more rows
-running is not faster for it). Two neighbouring epochs, one each way, with about as many rows,
-give one sample of log(speculating / plain), averaged per batch size bucket (rows' bit length:
-1, 2-3, 4-7, 8-15, 16-31 ...). Each bucket runs the winning mode, and the other one now and then,
+the tokens its rows committed per second, per request in the batch (a slot held: so an epoch
+with more requests running is not faster for it). Not per row in a call: a row busy drafting
+misses calls, so a speculating epoch's calls hold fewer rows than its requests, and per row in a
+call it looked faster than it was (SmolLM2 `auto`, 4 clients through the server: the gate read
+speculation 1.23x plain per row in a call while the batch ran 0.93x plain batching's throughput).
+Two neighbouring epochs, one each way, with about as many requests, give one sample of
+log(speculating / plain), averaged per batch size bucket (requests' bit length: 1, 2-3, 4-7,
+8-15, 16-31 ...). Each bucket runs the winning mode, and the other one now and then,
 so a change of workload is seen: an epoch of the losing mode costs what it loses against the
 winner, so it runs once in as many epochs as keep that cost under EXPLORE_COST of the bucket's
 throughput (`explore_every`: 1 in 5 when the modes are close, up to 1 in 20 when one is far
@@ -51,7 +55,7 @@ class _Epoch:
     speculate: bool
     seconds: float = 0.0  # from the previous call's end to each of its calls' ends, idle gaps excluded
     calls: int = 0
-    row_steps: int = 0  # rows (not prefill chunks) in its calls
+    requests: int = 0  # requests in the batch (slots held) at its calls, summed over its calls
     tokens: int = 0  # committed by those rows: 1 per plain row, a speculative row's path as reported
 
 
@@ -79,18 +83,19 @@ class SpeculationGate:
         self._last_end: float | None = None  # the previous call's end
         self._runs: dict[int, int] = {}  # slot -> epoch of its speculative call, until it reports
         self._buckets: dict[int, _Bucket] = {}
-        self._last_rows = 0
+        self._last_requests = 0
 
     @property
     def speculate(self) -> bool:
         """Whether rows may speculate in the running epoch."""
         with self._lock:
-            return self._epochs[self._number].speculate or self._last_rows < 2
+            return self._epochs[self._number].speculate or self._last_requests < 2
 
     # -- from the scheduler's thread, after each call ------------------------------
-    def on_call(self, decodes: list, runs: list, seconds: float) -> None:
-        """A call's works (the scheduler's `Work`s) and its `seconds`: a decode row commits one token; a
-        run that is not a prefill chunk is a speculative step, its tokens reported by its row (`committed`)."""
+    def on_call(self, decodes: list, runs: list, seconds: float, requests: int) -> None:
+        """A call's works (the scheduler's `Work`s) and its `seconds`, with `requests` in the batch (slots
+        held, whether or not their rows are in this call): a decode row commits one token; a run that is
+        not a prefill chunk is a speculative step, its tokens reported by its row (`committed`)."""
         with self._lock:
             now = self._clock()
             gap = seconds if self._last_end is None else now - self._last_end
@@ -99,11 +104,11 @@ class SpeculationGate:
             epoch.seconds += seconds if gap > max(IDLE_S, IDLE_CALLS * seconds) else gap
             epoch.calls += 1
             steps = [w for w in runs if not w.prefill]
-            epoch.row_steps += len(decodes) + len(steps)
+            epoch.requests += requests
             epoch.tokens += len(decodes)
             for w in steps:
                 self._runs[w.slot] = self._number
-            self._last_rows = len(decodes) + len(steps)
+            self._last_requests = requests
             if epoch.calls >= EPOCH_CALLS:
                 self._next_epoch()
 
@@ -126,15 +131,15 @@ class SpeculationGate:
 
     @staticmethod
     def _bucket_of(epoch: _Epoch) -> int:
-        return int(round(epoch.row_steps / max(1, epoch.calls))).bit_length()
+        return int(round(epoch.requests / max(1, epoch.calls))).bit_length()
 
     def _measure(self, number: int, epoch: _Epoch) -> None:
-        rows = epoch.row_steps / max(1, epoch.calls)
+        requests = epoch.requests / max(1, epoch.calls)
         seconds = epoch.seconds
-        if rows < 2 or seconds <= 0 or not epoch.tokens:
+        if requests < 2 or seconds <= 0 or not epoch.tokens:
             return
         bucket = self._buckets.setdefault(self._bucket_of(epoch), _Bucket())
-        rate = epoch.tokens / seconds / rows
+        rate = epoch.tokens / seconds / requests
         other = bucket.rates.get(not epoch.speculate)
         bucket.rates[epoch.speculate] = (number, rate)
         if other is not None and other[0] == number - 1:  # neighbours: one sample
@@ -158,7 +163,7 @@ class SpeculationGate:
         return winner
 
     def state(self) -> dict:
-        """Per bucket (rows' bit length): the average speculating / plain rate ratio and its samples."""
+        """Per bucket (requests' bit length): the average speculating / plain rate ratio and its samples."""
         with self._lock:
             return {key: {"ratio": round(math.exp(b.log_ratio), 3), "pairs": b.pairs}
                     for key, b in sorted(self._buckets.items())}

@@ -195,7 +195,9 @@ class Batcher:
         for observe in self.observers:
             observe(tokens, seconds, len(runs), lone=lone)
         if self.gate is not None:
-            self.gate.on_call(decodes, runs, seconds)
+            with self._cond:
+                requests = len(self._active)
+            self.gate.on_call(decodes, runs, seconds, requests)
         with self._cond:
             self._seats.difference_update(w.slot for w in work)
             for w in work:  # before its row wakes: from then on the row may be committing
