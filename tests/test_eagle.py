@@ -147,9 +147,15 @@ def test_training_unroll_is_how_the_head_drafts(version):
     levels, n = 3, 12
     seqs = torch.randint(0, 96, (2, n))
     feats = torch.randn(2, n, head.feature_dim)
+    picked = (0, 4, n - levels - 1)
     with torch.no_grad():
         unrolled = head_unroll(head, seqs, feats, levels)
-        for i in (0, 4, n - levels - 1):
+        # the draft levels at a subset of the rows (EagleTrainSpec.unroll_rows): the same rows' features
+        subset = head_unroll(head, seqs, feats, levels, torch.tensor(picked))
+        torch.testing.assert_close(subset[0], unrolled[0])
+        for j in range(1, levels):
+            torch.testing.assert_close(subset[j], unrolled[j][:, list(picked)], atol=1e-5, rtol=1e-4)
+        for i in picked:
             rows = torch.arange(i + 1)
             mask = (rows[:, None] >= rows[None, :]).expand(2, i + 1, i + 1)
             past = [torch.zeros(2, 0, head.num_kv_heads, head.head_dim)] * (2 * head.num_layers)
@@ -162,6 +168,19 @@ def test_training_unroll_is_how_the_head_drafts(version):
                                                   torch.full((2, 1), i + j), path, past)
                     past = [torch.cat([p, k], 1) for p, k in zip(past, presents)]
                 torch.testing.assert_close(unrolled[j][:, i], feature[:, 0], atol=1e-5, rtol=1e-4)
+
+
+def test_a_spec_field_left_at_its_default_keeps_cached_heads_valid():
+    """EagleTrainSpec.unroll_rows came after heads were cached: a spec that leaves it at 1.0 hashes as
+    before it existed (the pinned hash: `make heads-long`'s float32 spec, trained before it), one that
+    sets it is another recipe."""
+    from dataclasses import replace
+
+    from specdeploy.train.eagle import PRESETS
+
+    long = replace(PRESETS["real-long"], bf16=False)
+    assert long.unroll_rows == 1.0 and long.config_hash() == "1484beb8fc61fddc"
+    assert replace(long, unroll_rows=0.5).config_hash() != long.config_hash()
 
 
 def test_trained_head_is_accurate_and_in_published_layout(trained_head):

@@ -15,7 +15,7 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from itertools import islice
 from pathlib import Path
 from typing import Callable
@@ -170,9 +170,18 @@ def cached_training(out_dir: Path, train_hash: str, target_hash: str | None, req
     return meta
 
 
+# A spec field with this metadata key set is hashed only when it differs from its default: a field
+# added to a spec after results were cached keeps the results of specs that leave it alone valid.
+HASHED_WHEN_SET = "hashed_when_set"
+
+
 def spec_hash(spec, fmt: int) -> str:
     """A dataclass spec's identity with its recipe's format number: what a cached result is keyed by."""
-    blob = json.dumps({"format": fmt, **asdict(spec)}, sort_keys=True)
+    values = asdict(spec)
+    for f in fields(spec):
+        if f.metadata.get(HASHED_WHEN_SET) and values[f.name] == f.default:
+            del values[f.name]
+    blob = json.dumps({"format": fmt, **values}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
