@@ -78,7 +78,11 @@ def children_rss(pid: int) -> int:
     """RSS of the server's child processes (chat template renderers)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
+        try:
+            children = (task / "children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended since the listing
+            continue
+        for child in children:
             try:
                 total += proc_stats(int(child))["rss"]
             except (FileNotFoundError, ProcessLookupError, KeyError):
