@@ -116,7 +116,8 @@ PRESETS = {
     # prompts and from 1.11x to 1.22x on 8 code prompts (acceptance 1.28 -> 1.33, 1.38 -> 1.47).
     # Trained 3 draft levels deep (`unroll`): level 2 / 3 top-1 0.21 / 0.17 -> 0.31 / 0.32 on held-out
     # responses, 0.14 / 0.11 -> 0.20 / 0.20 free-form, level 1 0.37 -> 0.33 and 0.22 -> 0.21. The draft
-    # levels at half the rows (`unroll_rows`) make a step 0.63x as dear (float32: 0.48 against 0.77 s)
+    # levels at half the rows (`unroll_rows`) make a step 0.63-0.75x as dear (float32, 2-core AVX2: 0.48 against
+    # 0.77 s over 40 steps; 226 against 303 s for the whole run)
     # for as good a head: free-form top-1 at levels 1-3 0.218 / 0.184 / 0.183 -> 0.206 / 0.193 / 0.189,
     # held-out 0.319 / 0.311 / 0.315 -> 0.348 / 0.325 / 0.324, and EAGLE as fast on 8 free-form and 8
     # held-out chat prompts (47.7 against 47.0 and 59.7 against 54.4 tokens/s, interleaved). 600 such
