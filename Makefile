@@ -175,7 +175,8 @@ COMPAT_TESTS := tests/test_real_model.py tests/test_accuracy_check.py tests/test
 	tests/test_eagle.py tests/test_medusa.py tests/test_chat.py tests/test_quantized.py tests/test_cli.py \
 	tests/test_real_target_training.py tests/test_draft_vocab_model.py
 ORT_TESTS := tests/test_greedy_equality.py tests/test_batching.py tests/test_batched_graph_calls.py \
-	tests/test_batched_export_methods.py tests/test_fused_graphs.py tests/test_weights_once.py tests/test_quantized.py
+	tests/test_batched_export_methods.py tests/test_fused_graphs.py tests/test_weights_once.py tests/test_quantized.py \
+	tests/test_exact_rows.py
 
 $(COMPAT_VENV)/.stamp: pyproject.toml
 	$(PY) -m venv $(COMPAT_VENV)

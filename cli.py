@@ -281,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-check", action="store_true", help="skip the polygraphy check after export")
     e.add_argument("--no-fused", action="store_true",
                    help="skip the ORT-CPU fused decoder graphs (only the portable ones, as TensorRT uses)")
+    e.add_argument("--exact-rows", action="store_true",
+                   help="float target: pad its fused attentions by one row and verify trees along their exact "
+                   "chain, so every method's greedy output is `ar`'s bit for bit on ORT CPU, not only up to "
+                   "float32 ulps (costs speed; no batched graph: README, Lossless)")
     weight_choices = ["float", "int8", "int4"]
     e.add_argument("--weights", default="float", choices=weight_choices,
                    help="weight-only quantization of the ORT-CPU fused graphs (MatMulNBits, the LM head included; "

@@ -141,6 +141,10 @@ def add_batched_target(export_dir: Path, model_dir: Path | None = None) -> Path:
     if TARGET in (manifest.quantization or {}).get("models", {}):
         raise SpecDeployError("this export's target has quantized weights; the batched graph is float, so its rows "
                               "would not match the export's batch-1 output (export without quantizing the target)")
+    if manifest.exact_rows:
+        raise SpecDeployError("this export was made with --exact-rows: the batched graph's decode rows run the "
+                              "one-row attention its batch-1 graphs pad away, so they would not match its batch-1 "
+                              "output (export without --exact-rows)")
     source = model_dir or manifest.models[TARGET].source
     if not source:
         raise SpecDeployError("the manifest does not say where the target came from: give the model directory")

@@ -132,14 +132,16 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
                config: Path | None = None, progress=print, eagle: Path | None = None,
                medusa: Path | None = None, medusa_tree: str | None = None, fused: bool = True,
                check: Callable[[Manifest], None] | None = None, quantize: QuantPlan | None = None,
-               batched: bool = True) -> Path:
+               batched: bool = True, exact_rows: bool = False) -> Path:
     """The whole export. `draft` (a draft model), `eagle` (an EAGLE head dir) and `medusa` (a Medusa
     heads dir, published layout) add the methods that need them; `medusa_tree` overrides
     methods.medusa.tree; `fused` adds each decoder's ORT-CPU graphs (export/fused_graph.py)
     beside the portable ones. `quantize` rewrites the fused graphs of its models with int4/int8
     weights (export/quantize.py; the portable graphs stay float) and records the scheme in the
     manifest's `quantization`. `batched` adds the target's batched fused graph (continuous
-    batching: export/batched_graph.py) where float fused target graphs are written.
+    batching: export/batched_graph.py) where float fused target graphs are written. `exact_rows`
+    pads a float target's fused attentions as a quantized target's are, so that every method's
+    greedy output is `ar`'s bit for bit (export/exact_rows.py; the manifest's `exact_rows`).
 
     Everything is written to a staging directory beside `out` (export/out_dir.py) and swapped in
     only at the end, after `check` (the accuracy check: raises SpecDeployError on a failure) has
@@ -157,6 +159,11 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
                                       for name, spec in REGISTRY.items() if name in methods and spec.export_step}
     if quantize is not None:
         quantize.check_fused(dtype, fused)
+    quantized_target = quantize is not None and TARGET in quantize.schemes
+    if exact_rows and not fused:
+        raise SpecDeployError("--exact-rows pads the ORT CPU fused graphs: drop --no-fused")
+    if exact_rows and quantized_target:
+        progress("  --exact-rows: a quantized target's rows are exact already (its attentions are padded)")
     target_cfg = read_hf_config(target)
     cfg = fit_context(cfg, config, target_cfg, progress)
     token_counts = target_token_counts(cfg, methods)  # config errors before anything is written
@@ -188,8 +195,9 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     from .decoder_export import write_graphs  # the inputs are checked: now the graph writers (torch)
     from .reference import CHECK_DIR
     with Staging(real_out, progress) as stage:
-        # A quantized target's rows would not equal its batch-1 output through a float batched graph.
-        batched = batched and (quantize is None or TARGET not in quantize.schemes)
+        # A quantized target's rows would not equal its batch-1 output through a float batched graph,
+        # nor a padded one's (its decode rows run the one-row attention: export/exact_rows.py).
+        batched = batched and not quantized_target and not exact_rows
         graphs, models = write_graphs(stage.path, target, draft, dtype, cfg, methods, steps, token_counts,
                                       fused, batched, progress,
                                       frozenset(quantize.schemes) if quantize is not None else frozenset())
@@ -198,6 +206,10 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
             from .quantize import quantize_export
 
             facts["quantization"] = quantize_export(stage.path, graphs, quantize, progress)
+        if exact_rows and not quantized_target:
+            from .exact_rows import pad_float_target
+
+            facts["exact_rows"] = pad_float_target(stage.path, graphs, progress)
         files = {str(p.relative_to(stage.path)): sha256_file(p) for p in sorted(stage.path.rglob("*"))
                  if p.is_file() and p.relative_to(stage.path).parts[0] not in (CHECK_DIR, OWNED)}
         seconds = round(time.perf_counter() - start, 1)

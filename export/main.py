@@ -107,6 +107,7 @@ def run_export(args) -> None:
     out = export_all(args.target, args.out, draft=args.draft, dtype=args.dtype, config=args.config, progress=progress,
                      eagle=getattr(args, "eagle", None), medusa=getattr(args, "medusa", None),
                      medusa_tree=getattr(args, "tree", None), fused=not getattr(args, "no_fused", False),
-                     check=check, quantize=quant_plan(args, progress))
+                     check=check, quantize=quant_plan(args, progress),
+                     exact_rows=getattr(args, "exact_rows", False))
     verdict = "accuracy checked" if check else "NOT accuracy checked (--no-check): run `specdeploy check` on it"
     print(f"export ready: {out} ({verdict})", file=sys.stderr)

@@ -189,7 +189,7 @@ class Generation:
                 proposal = Proposal.root_only(state.tokens[-1])  # near the context end, or that first tree: plain
                 speculate = timed = False  # drafted for nothing: no sample of either kind of step
             tv = time.perf_counter()
-            # Exact rows only (a quantized target): the tree in depth-first order, so its likeliest
+            # Exact rows only (a quantized or --exact-rows target): the tree in depth-first order, so its likeliest
             # path is the leading chain whose rows match sequential decoding (verify.py).
             order = proposal.tree.preorder if self.exact_chain else None
             call = proposal if order is None or order == tuple(range(len(order))) else proposal.reordered(order)
@@ -284,8 +284,9 @@ class Generation:
 def exact_rows_only(export: LoadedExport) -> bool:
     """Whether only a tree's leading chain may be followed (verify.py, `exact_rows`): a target whose
     graphs quantize activations to int8 (MatMulNBits) turns a tree row's ulp-level difference from
-    sequential decoding into whole logits (measured: up to 0.7 on SmolLM2 int8, 3e-5 in float32)."""
-    return export.manifest.weight_scheme("target") is not None
+    sequential decoding into whole logits (measured: up to 0.7 on SmolLM2 int8, 3e-5 in float32),
+    and an `export --exact-rows` float target holds even those ulps (Manifest.exact_rows)."""
+    return export.manifest.exact_rows
 
 
 def in_proposal_order(verdict: Verdict, out: StepOutput, order: tuple[int, ...], size: int) -> tuple:

@@ -45,6 +45,7 @@ class Manifest:
     prefill_chunk: int = 64
     check: str = CHECK_SKIPPED  # the accuracy check: "passed" or "skipped" (--no-check)
     quantization: dict | None = None  # int4/int8 weights of some models' fused graphs (export/quantize.py)
+    exact_rows_entry: dict | None = None  # a float target's padded attentions (export/exact_rows.py)
 
     def graphs_of(self, kind: str, model: str | None = None, flavor: str | None = None) -> list[GraphRecord]:
         return [g for g in self.graphs.values()
@@ -70,10 +71,27 @@ class Manifest:
     def graph_path(self, graph: GraphRecord) -> Path:
         return self.root / graph.file  # kept inside root when the manifest loaded
 
+    def _padding(self, model: str) -> dict:
+        """`model`'s attention padding: in its quantization scheme, or (a float target) in `exact_rows`."""
+        return self.weight_scheme(model) or (self.exact_rows_entry or {}).get("models", {}).get(model) or {}
+
+    def attention_pad(self, model: str) -> int:
+        """Rows a call of `model`'s fused graphs writes past its own (export/attention_pad.py): 0 or 1."""
+        return int(self._padding(model).get("attention_pad", 0))
+
     def unpadded_graph_path(self, model: str) -> Path | None:
-        """`model`'s fused graph without attention padding rows, where the export wrote one (export/quantize.py)."""
-        file = (self.weight_scheme(model) or {}).get("unpadded_graph")
+        """`model`'s fused graph without attention padding rows, where the export wrote one (export/quantize.py,
+        export/exact_rows.py)."""
+        file = self._padding(model).get("unpadded_graph")
         return None if file is None else self.root / file  # kept inside root when the manifest loaded
+
+    @property
+    def exact_rows(self) -> bool:
+        """Whether a tree may be followed along its leading chain only (runtime/verify.py, `exact_rows`):
+        the target's rows are held bit-exact across call sizes, as a quantized target's must be
+        (int8 activations turn a tree row's ulp-level difference into whole logits) and an
+        `export --exact-rows` float target's are (export/exact_rows.py)."""
+        return self.weight_scheme(TARGET) is not None or self.attention_pad(TARGET) > 0
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -177,14 +195,18 @@ def _check_rope_positions(root: Path, graphs: dict[str, GraphRecord], max_contex
 
 
 def _referenced_files(root: Path, graphs: dict[str, GraphRecord], tokenizer_dir: str,
-                      models: dict[str, ModelRecord], quantization: dict | None) -> dict[str, str]:
+                      models: dict[str, ModelRecord], quantization: dict | None,
+                      exact_rows: dict | None) -> dict[str, str]:
     """Every file the runtime opens, relative to root -> what refers to it; each kept inside root
     (a graph's external-data locations are read from its protobuf: runtime/onnx_external.py)."""
     refs = {}
     files = {g.file: f"graph {g.name}" for g in graphs.values()}
-    for model, scheme in (quantization or {}).get("models", {}).items():
+    padded = [(f"{section}.models.{model}", scheme) for section, entries in (("quantization", quantization),
+                                                                              ("exact_rows", exact_rows))
+              for model, scheme in (entries or {}).get("models", {}).items()]
+    for section, scheme in padded:
         if "unpadded_graph" in scheme:
-            where = f"quantization.models.{model}.unpadded_graph"
+            where = f"{section}.unpadded_graph"
             path = inside(root, scheme["unpadded_graph"], f"manifest: {where}")
             if not path.is_file():
                 raise SpecDeployError(f"graph file missing: {path} ({where}; re-export it)")
@@ -229,6 +251,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
         fields.fail("prefill_chunk", f"({scalars['prefill_chunk']}) exceeds the largest target graph "
                     f"({max(prefill_sizes)} tokens)")
     quantization = fields.quantization(raw["quantization"], models) if "quantization" in raw else None
+    exact_rows = fields.exact_rows(raw["exact_rows"], models) if "exact_rows" in raw else None
     tokenizer = raw["tokenizer"]
     fields.tokenizer(tokenizer, target.vocab_size)
     tokenizer_dir = tokenizer.get("dir", "tokenizer")
@@ -245,7 +268,7 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
         if verify_checksums and sha256_file(fpath) != digest:
             raise SpecDeployError(f"checksum mismatch for {fpath}: the file changed since export (re-export it)")
     listed = {os.path.normpath(rel) for rel in files}
-    for rel, what in _referenced_files(root, graphs, tokenizer_dir, models, quantization).items():
+    for rel, what in _referenced_files(root, graphs, tokenizer_dir, models, quantization, exact_rows).items():
         if rel not in listed:
             raise SpecDeployError(f"manifest: {rel} ({what}) is not in the files map, so its integrity cannot be "
                                   "checked (re-export it)")
@@ -254,4 +277,5 @@ def load_manifest(export_dir: str | Path, verify_checksums: bool = True, allow_p
         root=root, dtype=scalars["dtype"], max_context=max_context, models=models, graphs=graphs,
         tokenizer=tokenizer, methods=raw.get("methods", {}), files=files, raw=raw,
         prefill_chunk=scalars["prefill_chunk"], check=check, quantization=quantization,
+        exact_rows_entry=exact_rows,
     )

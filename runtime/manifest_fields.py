@@ -185,13 +185,32 @@ def quantization(data, models: dict) -> dict:
             fail(f"{where}.symmetric", f"must be true or false, got {scheme.get('symmetric')!r}")
         if text(scheme.get("embedding"), f"{where}.embedding") not in QUANT_EMBEDDINGS:
             fail(f"{where}.embedding", f"is {scheme['embedding']!r}, not one of {', '.join(QUANT_EMBEDDINGS)}")
-        # rows a call writes past its own (export/attention_pad.py); absent: none
-        pad = integer(scheme.get("attention_pad", 0), f"{where}.attention_pad", 0, 1)
-        # the same graph without them, for a CPU that pads every call to two rows (export/quantize.py)
-        if "unpadded_graph" in scheme:
-            text(scheme["unpadded_graph"], f"{where}.unpadded_graph")
-            if not pad:
-                fail(f"{where}.unpadded_graph", "names an unpadded graph of a model whose graphs are not padded")
+        attention_padding(scheme, where)
+    return data
+
+
+def attention_padding(scheme: dict, where: str) -> int:
+    """A model's padded attentions, in its `quantization` scheme or in `exact_rows`: the rows a call
+    writes past its own (export/attention_pad.py; absent: none), and the same graph without them, for
+    a CPU that pads every call to two rows (export/quantize.py, export/exact_rows.py)."""
+    pad = integer(scheme.get("attention_pad", 0), f"{where}.attention_pad", 0, 1)
+    if "unpadded_graph" in scheme:
+        text(scheme["unpadded_graph"], f"{where}.unpadded_graph")
+        if not pad:
+            fail(f"{where}.unpadded_graph", "names an unpadded graph of a model whose graphs are not padded")
+    return pad
+
+
+def exact_rows(data, models: dict) -> dict:
+    """`exact_rows` (export --exact-rows): a float target whose fused attentions are padded (absent: none)."""
+    data = mapping(data, "exact_rows")
+    entries = mapping(data.get("models"), "exact_rows.models")
+    for key, entry in entries.items():
+        where = f"exact_rows.models.{key}"
+        if key not in models:
+            fail(where, f"names an unknown model (models: {', '.join(models)})")
+        if not attention_padding(mapping(entry, where), where):
+            fail(f"{where}.attention_pad", "must be 1 (the padding rows that make its rows exact)")
     return data
 
 

@@ -84,8 +84,8 @@ class OrtDecoder(Decoder):
         cache = KVCache(record, manifest.max_context, manifest.dtype, in_place=fused)
         super().__init__(record, cache, self.records, manifest.max_context)
         self.flavor = flavor
-        if fused:  # a quantized target's attentions carry a padding row (export/attention_pad.py)
-            self.spare = (manifest.weight_scheme(model) or {}).get("attention_pad", 0)
+        if fused:  # a quantized or --exact-rows target's attentions carry a padding row (export/attention_pad.py)
+            self.spare = manifest.attention_pad(model)
         self.presents = present_names(record.num_layers)
         self.manifest, self.backend, self.threads = manifest, backend, threads
         self.vocab_size = record.vocab_size

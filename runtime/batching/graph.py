@@ -98,6 +98,10 @@ def batched_graph_path(manifest: Manifest) -> Path:
         raise SpecDeployError(f"{manifest.root} holds the target with {quantized['bits']}-bit weights and no batched "
                               "graph (it is float32, so its rows would not match this export's batch-1 output): "
                               "serve it without --batch, or export without quantizing the target")
+    if record is None and manifest.exact_rows:
+        raise SpecDeployError(f"{manifest.root} was exported with --exact-rows and has no batched graph (its decode "
+                              "rows would run the one-row attention its batch-1 graphs pad away): serve it without "
+                              "--batch, or export without --exact-rows")
     if record is None:
         raise SpecDeployError(f"{manifest.root} has no batched target graph (exported before continuous batching, "
                               "or with batched=False): re-export it, or add it with "
