@@ -109,6 +109,29 @@ def arch_exports(random_models, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def assert_manifest_edits_refused(out: Path, section: str, cases, tmp_path: Path) -> None:
+    """Each (key path under the manifest's `section`, value, message): a copy of the export at `out`
+    with that one entry changed fails to load with `message` (SpecDeployError)."""
+    import json
+    import shutil
+
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.manifest import load_manifest
+
+    for path, value, message in cases:
+        copy = tmp_path / "copy"
+        shutil.copytree(out, copy)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        entry = manifest[section]
+        for key in path[:-1]:
+            entry = entry[key]
+        entry[path[-1]] = value
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(SpecDeployError, match=message):
+            load_manifest(copy, verify_checksums=False)
+        shutil.rmtree(copy)
+
+
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Plain Hugging Face greedy decoding, EOS ignored: the reference every method must equal."""
     import torch

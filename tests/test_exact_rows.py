@@ -6,11 +6,10 @@ still passes its polygraphy check, writes no batched graph, and a batched servic
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import assert_manifest_edits_refused, run_cli
 
 PROMPTS = [
     "def foo(x):\n    return",
@@ -120,24 +119,11 @@ def test_the_cli_refuses_exact_rows_without_fused_graphs(micro_family, tmp_path,
 
 
 def test_the_manifest_validates_the_entry(exact, tmp_path):
-    from specdeploy.runtime.errors import SpecDeployError
-    from specdeploy.runtime.manifest import load_manifest
-
     out, _ = exact
-    for path, value, message in ((("models", "target"), {"attention_pad": 0}, "must be 1"),
-                                 (("models", "target", "attention_pad"), 0, "are not padded"),
-                                 (("models", "target", "attention_pad"), 2, "attention_pad"),
-                                 (("models", "nobody"), {"attention_pad": 1}, "unknown model"),
-                                 (("models", "target", "unpadded_graph"), "../x.onnx", "outside the export"),
-                                 (("models", "target", "unpadded_graph"), "gone.onnx", "graph file missing")):
-        copy = tmp_path / "copy"
-        shutil.copytree(out, copy)
-        manifest = json.loads((copy / "manifest.json").read_text())
-        entry = manifest["exact_rows"]
-        for key in path[:-1]:
-            entry = entry[key]
-        entry[path[-1]] = value
-        (copy / "manifest.json").write_text(json.dumps(manifest))
-        with pytest.raises(SpecDeployError, match=message):
-            load_manifest(copy, verify_checksums=False)
-        shutil.rmtree(copy)
+    assert_manifest_edits_refused(out, "exact_rows", (
+        (("models", "target"), {"attention_pad": 0}, "must be 1"),
+        (("models", "target", "attention_pad"), 0, "are not padded"),
+        (("models", "target", "attention_pad"), 2, "attention_pad"),
+        (("models", "nobody"), {"attention_pad": 1}, "unknown model"),
+        (("models", "target", "unpadded_graph"), "../x.onnx", "outside the export"),
+        (("models", "target", "unpadded_graph"), "gone.onnx", "graph file missing")), tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import assert_manifest_edits_refused, run_cli
 
 PROMPTS = [
     "def foo(x):\n    return",
@@ -506,25 +506,12 @@ def test_the_lm_head_bits_are_chosen_on_the_command_line(micro_family, tmp_path)
 
 
 def test_manifest_validates_the_scheme(quantized, tmp_path):
-    from specdeploy.runtime.errors import SpecDeployError
-    from specdeploy.runtime.manifest import load_manifest
-
     _, out, _ = quantized
-    for path, value, message in ((("models", "target", "bits"), 3, "bits must be one of"),
-                                 (("models", "target", "block_size"), 48, "power of two"),
-                                 (("models", "nobody"), {}, "unknown model"),
-                                 (("flavor",), "tiny", "quantization.flavor"),
-                                 (("models", "eagle", "unpadded_graph"), "eagle_fused_t1.onnx", "are not padded"),
-                                 (("models", "target", "unpadded_graph"), "../x.onnx", "outside the export"),
-                                 (("models", "target", "unpadded_graph"), "gone.onnx", "graph file missing")):
-        copy = tmp_path / "copy"
-        shutil.copytree(out, copy)
-        manifest = _manifest(copy)
-        entry = manifest["quantization"]
-        for key in path[:-1]:
-            entry = entry[key]
-        entry[path[-1]] = value
-        (copy / "manifest.json").write_text(json.dumps(manifest))
-        with pytest.raises(SpecDeployError, match=message):
-            load_manifest(copy, verify_checksums=False)
-        shutil.rmtree(copy)
+    assert_manifest_edits_refused(out, "quantization", (
+        (("models", "target", "bits"), 3, "bits must be one of"),
+        (("models", "target", "block_size"), 48, "power of two"),
+        (("models", "nobody"), {}, "unknown model"),
+        (("flavor",), "tiny", "quantization.flavor"),
+        (("models", "eagle", "unpadded_graph"), "eagle_fused_t1.onnx", "are not padded"),
+        (("models", "target", "unpadded_graph"), "../x.onnx", "outside the export"),
+        (("models", "target", "unpadded_graph"), "gone.onnx", "graph file missing")), tmp_path)
