@@ -109,6 +109,19 @@ def arch_exports(random_models, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def methods_differing_from_ar(export, methods, prompts: list[str], new_tokens: int) -> list:
+    """(method, prompt) pairs whose greedy tokens are not the export's own `ar`'s."""
+    from specdeploy.runtime.generate import generate
+
+    differ = []
+    for prompt in prompts:
+        ids = export.tokenizer.encode(prompt)
+        ar = generate(export, ids, method="ar", max_new_tokens=new_tokens, ignore_eos=True).token_ids
+        differ += [(m, prompt) for m in methods
+                   if generate(export, ids, method=m, max_new_tokens=new_tokens, ignore_eos=True).token_ids != ar]
+    return differ
+
+
 def assert_manifest_edits_refused(out: Path, section: str, cases, tmp_path: Path) -> None:
     """Each (key path under the manifest's `section`, value, message): a copy of the export at `out`
     with that one entry changed fails to load with `message` (SpecDeployError)."""

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import assert_manifest_edits_refused, run_cli
+from conftest import assert_manifest_edits_refused, methods_differing_from_ar, run_cli
 
 PROMPTS = [
     "def foo(x):\n    return",
@@ -78,7 +78,7 @@ def test_a_lone_row_equals_the_same_row_among_others(exact):
 
 
 def test_every_method_equals_ar_and_trees_follow_their_exact_chain(exact, micro_export):
-    from specdeploy.runtime.generate import exact_rows_only, generate
+    from specdeploy.runtime.generate import exact_rows_only
     from specdeploy.runtime.loaded_export import LoadedExport
 
     out, _ = exact
@@ -87,13 +87,7 @@ def test_every_method_equals_ar_and_trees_follow_their_exact_chain(exact, micro_
     assert export.method_config("draft").runner_up > 0  # configured, but only the chain is verified
     methods = [m for m in export.methods if m != "ar"]
     assert {"draft", "eagle", "medusa", "prompt-lookup", "lookahead", "suffix", "eagle+suffix"} <= set(methods)
-    differ = []
-    for prompt in PROMPTS:
-        ids = export.tokenizer.encode(prompt)
-        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
-        differ += [(m, prompt) for m in methods
-                   if generate(export, ids, method=m, max_new_tokens=NEW, ignore_eos=True).token_ids != ar]
-    assert not differ
+    assert not methods_differing_from_ar(export, methods, PROMPTS, NEW)
 
 
 def test_no_batched_graph_and_a_batched_service_says_why(exact):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_manifest_edits_refused, run_cli
+from conftest import assert_manifest_edits_refused, methods_differing_from_ar, run_cli
 
 PROMPTS = [
     "def foo(x):\n    return",
@@ -129,16 +129,7 @@ def test_weights_stay_once_per_model(quantized):
 
 
 def _methods_differing_from_ar(export, methods, prompts=PROMPTS) -> list:
-    """(method, prompt) pairs whose greedy tokens are not the export's own `ar`'s."""
-    from specdeploy.runtime.generate import generate
-
-    differ = []
-    for prompt in prompts:
-        ids = export.tokenizer.encode(prompt)
-        ar = generate(export, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
-        differ += [(m, prompt) for m in methods
-                   if generate(export, ids, method=m, max_new_tokens=NEW, ignore_eos=True).token_ids != ar]
-    return differ
+    return methods_differing_from_ar(export, methods, prompts, NEW)
 
 
 def test_every_method_equals_the_quantized_targets_ar(quantized):
