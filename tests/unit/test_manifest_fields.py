@@ -91,6 +91,15 @@ HOSTILE = {
                                 "unpadded_graph names an unpadded graph of a model whose graphs are not padded"),
     "unpadded_graph_outside": (lambda m: m.update(quantization=_quantized(unpadded_graph="/etc/passwd")),
                                "unpadded_graph: '/etc/passwd' is an absolute path"),
+    "exact_rows_list": (set_field("exact_rows", value=[]), "exact_rows must be a JSON object"),
+    "exact_rows_unpadded": (set_field("exact_rows", value={"models": {"target": {"attention_pad": 0}}}),
+                            "exact_rows.models.target.attention_pad must be 1"),
+    "exact_rows_pad_two": (set_field("exact_rows", value={"models": {"target": {"attention_pad": 2}}}),
+                           "exact_rows.models.target.attention_pad must be between 0 and 1"),
+    "exact_rows_ghost": (set_field("exact_rows", value={"models": {"ghost": {"attention_pad": 1}}}),
+                         "exact_rows.models.ghost names an unknown model"),
+    "exact_rows_unpadded_outside": (set_field("exact_rows", value={"models": {"target": {
+        "attention_pad": 1, "unpadded_graph": "/etc/passwd"}}}), "unpadded_graph: '/etc/passwd' is an absolute path"),
 }
 
 
@@ -108,6 +117,13 @@ def test_the_hand_written_export_loads(tmp_path):
     path = tmp_path / "manifest.json"  # and with a well-formed quantization entry
     path.write_text(json.dumps({**json.loads(path.read_text()), "quantization": _quantized()}))
     assert load_manifest(tmp_path).quantization["models"]["target"]["attention_pad"] == 1
+    assert load_manifest(tmp_path).exact_rows  # a quantized target's rows are held exact
+    data = {**json.loads(path.read_text()), "exact_rows": {"models": {"target": {"attention_pad": 1}}}}
+    del data["quantization"]  # and a float target exported with --exact-rows
+    path.write_text(json.dumps(data))
+    exact = load_manifest(tmp_path)
+    assert exact.exact_rows and (exact.attention_pad("target"), exact.attention_pad("draft")) == (1, 0)
+    assert not m.exact_rows and exact.unpadded_graph_path("target") is None
     assert m.check == "passed" and m.eos_token_ids == [2] and m.prefill_chunk == 9
 
 
