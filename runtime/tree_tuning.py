@@ -136,6 +136,16 @@ def choose_tree(rates: np.ndarray, time_model, max_nodes: int = 64) -> TreeChoic
     return TreeChoice([list(p) for p, _ in order[:n]], expected, step, rate, curve)
 
 
+def chain_rates(rates: np.ndarray) -> np.ndarray:
+    """Acceptance as a target held to exact rows verifies a tree (a quantized or `--exact-rows` export:
+    runtime/verify.py, `exact_rows`): only the leading chain is followed, so a node off it adds no
+    token (the token it guessed is the bonus token of its parent's row either way). Rank 0 at every
+    depth is the chain the greedy order builds first."""
+    out = np.array(rates, float)
+    out[:, 1:] = 0.0
+    return out
+
+
 def empirical_expected_tokens(paths: list[list[int]], matched: list[tuple[int, ...]]) -> float:
     """Mean tokens per step a tree would have produced on recorded greedy steps.
 
@@ -216,15 +226,20 @@ def tune(export, method: str, prompts: list[list[int]], max_new_tokens: int = 64
     progress("[tune-tree] verify time per call: "
              + ", ".join(f"T={t} {s * 1e3:.2f}ms" for t, s in model.points)
              + f"; drafting + host {cal.per_step_s * 1e3:.2f}ms per step")
-    choice = choose_tree(cal.stats.rates(), model, max_nodes)
+    exact = export.manifest.exact_rows
+    rates = chain_rates(cal.stats.rates()) if exact else cal.stats.rates()
+    followed = (lambda paths: [p for p in paths if not any(p)]) if exact else (lambda paths: paths)  # noqa: E731
+    choice = choose_tree(rates, model, max_nodes)
     current = cal.current_paths
-    current_expected = 1.0 + sum(float(np.prod([cal.stats.rates()[d, r] for d, r in enumerate(p)])) for p in current)
+    current_expected = 1.0 + sum(float(np.prod([rates[d, r] for d, r in enumerate(p)])) for p in current)
+    export_empirical = empirical_expected_tokens(followed(current), cal.matched)
     report = {
         "method": method,
-        "chosen": {**choice.to_json(),
-                   "empirical_tokens_per_step": round(empirical_expected_tokens(choice.paths, cal.matched), 4)},
+        "exact_rows": exact,  # trees followed along their leading chain only (chain_rates)
+        "chosen": {**choice.to_json(), "empirical_tokens_per_step":
+                   round(empirical_expected_tokens(followed(choice.paths), cal.matched), 4)},
         "export_tree": {"nodes": len(current), "expected_tokens_per_step": round(current_expected, 4),
-                        "empirical_tokens_per_step": round(empirical_expected_tokens(current, cal.matched), 4),
+                        "empirical_tokens_per_step": round(export_empirical, 4),
                         "expected_tokens_per_s": round(current_expected / model(len(current) + 1), 2)},
         "acceptance": cal.stats.to_json(),
         "time_model": model.to_json(),

@@ -119,3 +119,22 @@ def test_the_manifest_entry_names_a_graph_inside_the_export(exact, tmp_path):
         (("models", "target", "attention_pad"), 0, "are not padded"),
         (("models", "target", "unpadded_graph"), "../x.onnx", "outside the export"),
         (("models", "target", "unpadded_graph"), "gone.onnx", "graph file missing")), tmp_path)
+
+
+def test_tune_tree_builds_the_chain_an_exact_rows_target_follows(exact):
+    """Only the leading chain is verified, so tune-tree prices side nodes at nothing: it picks a chain,
+    and its replay of the export's own static tree (chain nodes only) predicts what EAGLE-1 accepts."""
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.tree_tuning import tune
+
+    out, _ = exact
+    export = LoadedExport(out)
+    prompts = [export.tokenizer.encode(p) for p in PROMPTS[:2]]
+    result = tune(export, "eagle", prompts, max_new_tokens=NEW, max_nodes=16, progress=lambda m: None)
+    report = result["report"]
+    assert report["exact_rows"] and result["paths"] and not any(any(p) for p in result["paths"])
+    calls = sum(generate(export, ids, method="eagle", max_new_tokens=NEW, ignore_eos=True,
+                         method_overrides={"mode": "eagle1"}).stats["target_calls"] for ids in prompts)
+    real = len(prompts) * NEW / calls
+    assert abs(report["export_tree"]["empirical_tokens_per_step"] - real) < 0.5, (report["export_tree"], real)

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from specdeploy.runtime.errors import SpecDeployError
-from specdeploy.runtime.tree_tuning import TimeModel, choose_tree, empirical_expected_tokens, greedy_order
+from specdeploy.runtime.tree_tuning import (
+    TimeModel,
+    chain_rates,
+    choose_tree,
+    empirical_expected_tokens,
+    greedy_order,
+)
 
 
 def test_greedy_tree_construction_is_optimal_per_size():
@@ -38,6 +44,18 @@ def test_choose_tree_trades_acceptance_for_time():
     # Greedy acceptance of recorded steps: the longest tree path along the actual ranks, plus the bonus.
     matched = [(0, 0, 2), (1, 0), (2,), ()]
     assert empirical_expected_tokens([[0], [0, 0], [1]], matched) == pytest.approx((3 + 2 + 1 + 1) / 4)
+
+
+def test_a_target_held_to_exact_rows_gets_a_chain():
+    """Its verification follows only the leading chain (runtime/verify.py, exact_rows): a side node costs a
+    verify row and adds no token, so the tuner builds the chain of first-ranked guesses alone."""
+    rates = np.array([[0.6, 0.3, 0.1]] * 5)
+    model = TimeModel([(1, 1e-3), (64, 2e-3)])
+    assert any(any(p) for p in choose_tree(rates, model, max_nodes=30).paths)  # a tree where side nodes pay
+    chain = choose_tree(chain_rates(rates), model, max_nodes=30)
+    assert chain.paths == [[0] * d for d in range(1, 6)]
+    assert chain.expected_tokens == pytest.approx(1 + sum(0.6 ** d for d in range(1, 6)))
+    assert chain_rates(rates)[:, 0].tolist() == rates[:, 0].tolist()  # the rates themselves untouched
 
 
 def test_tree_out_that_is_no_tree_file_is_refused_unread(tmp_path):
