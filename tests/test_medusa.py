@@ -370,6 +370,22 @@ def test_sampling_matches_target_distribution(exports):
 # ---------------------------------------------------------------- tree calibration
 
 
+def test_tune_trees_replay_predicts_what_medusa_accepts(exports):
+    """The calibration records the heads where steps start (not at every accepted position, which
+    inside a long accepted run match well and were never a step's start): its replay of the
+    export's own tree is within 0.5 tokens a step of what a real run accepts."""
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.tree_tuning import tune
+
+    export = exports["trained"]
+    prompts = [export.tokenizer.encode(p) for p in PROMPTS[:3]]
+    report = tune(export, "medusa", prompts, max_new_tokens=NEW, max_nodes=16, progress=lambda m: None)["report"]
+    calls = sum(generate(export, ids, method="medusa", max_new_tokens=NEW, ignore_eos=True, adaptive=False)
+                .stats["target_calls"] for ids in prompts)
+    real = len(prompts) * NEW / calls
+    assert abs(report["export_tree"]["empirical_tokens_per_step"] - real) < 0.5, (report["export_tree"], real)
+
+
 def test_tune_tree_cli_writes_a_usable_tree(medusa_exports, exports, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS[:3]))
