@@ -130,9 +130,25 @@ def test_cli_runs_a_fused_method_and_rejects_a_bad_setting(micro_heads):
     bad = run_cli("generate", root, "--prompt", "def f(x):", "--method", "eagle+suffix", "--param", "nodes=64")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "needs a target graph of 65 tokens" in bad.stderr
-    small = run_cli("generate", root, "--prompt", "def f(x):", "--method", "lookahead+suffix", "--param", "nodes=8")
+
+
+def test_a_budget_the_lookahead_window_fills_is_one_clear_error(micro_heads, tmp_path):
+    """The default window takes one row; an export whose lookahead window is wider (a GPU's) leaves a
+    small fused budget no candidate."""
+    import json
+    import shutil
+
+    copy = tmp_path / "wide"
+    shutil.copytree(micro_heads.manifest.root, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["methods"]["lookahead"] = {"window": 3, "ngram": 4, "guesses": 2}  # T = 15, a graph it has
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    small = run_cli("generate", str(copy), "--prompt", "def f(x):", "--method", "lookahead+suffix",
+                    "--param", "nodes=8")
     assert small.returncode != 0 and "Traceback" not in small.stderr
-    assert "leaves no candidate beside the lookahead window's 8 rows" in small.stderr
+    assert "nodes (8) leaves no candidate beside the lookahead window's 8 rows; raise nodes" in small.stderr
+    wide = run_cli("generate", str(copy), "--prompt", "def f(x):", "--method", "lookahead", "--max-new-tokens", "8")
+    assert wide.returncode == 0, wide.stderr
 
 
 def test_the_service_serves_the_fused_methods(micro_heads):

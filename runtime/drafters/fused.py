@@ -99,7 +99,7 @@ class FusedConfig:
     parts: ClassVar[tuple[str, str]]
 
     # candidate nodes per step, lookahead's window rows included (verify T = nodes + 1 = 15: the graph
-    # prompt-lookup, lookahead and suffix already use, so every export has it)
+    # prompt-lookup and suffix already use, so every export has it)
     nodes: int = 14
     prior: float = 1.0  # accepted drafts per step assumed of each part before it is measured
     # a verify row's cost in decode steps until the export's step times are measured (then theirs): a node
@@ -218,7 +218,7 @@ def build(export, config: FusedConfig) -> FusedDrafter:
     window = window_rows(configs[config.parts[0]])
     if window >= config.nodes:
         raise SpecDeployError(f"method {config.method!r}: {config.method}.nodes ({config.nodes}) leaves no "
-                              f"candidate beside the lookahead window's {window} rows; raise nodes")
+                              f"candidate beside the lookahead window's {window} row{'s' * (window != 1)}; raise nodes")
     learned = export.part(f"fused-learned:{config!r}", Learned)
     return FusedDrafter(config, drafters, window, learned, on_by_default())
 

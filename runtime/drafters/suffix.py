@@ -47,7 +47,7 @@ class SuffixConfig:
     method: ClassVar[str] = "suffix"
 
     max_nodes: int = 14  # candidate tokens per step; verify T = max_nodes + 1 = 15, the graph prompt-lookup
-    #                      and lookahead already use (any proposal is padded to it, so a full budget is free)
+    #                      already uses (any proposal is padded to it, so a full budget is free)
     max_match: int = 8  # longest context suffix looked up; trees hold max_match + max_nodes tokens deep
     min_prob: float = 0.1  # candidates whose empirical path probability is lower are not proposed
     cache_tokens: int = 32768  # earlier requests' output tokens kept per export instance (0: none)

@@ -20,13 +20,13 @@ SHIPPED = {
     "ar": {},
     "draft": {"k": 8},
     "prompt-lookup": {"k": 14, "max_ngram": 3, "min_ngram": 1},
-    "lookahead": {"window": 3, "ngram": 4, "guesses": 2},
+    "lookahead": {"window": 1, "ngram": 3, "guesses": 1},
     "suffix": {"max_nodes": 14, "max_match": 8, "min_prob": 0.1, "cache_tokens": 32768},
     "eagle": {"mode": "eagle2", "top_k": 2, "depth": 6, "total_tokens": 8, "draft_vocab": 1024,
               "tree": "eagle1_mc_sim_7b_63"},
     "medusa": {"heads": 4, "tree": "medusa_cpu_8", "draft_vocab": 1024},
 }
-VERIFY_TOKENS = {"ar": 1, "draft": 9, "prompt-lookup": 15, "lookahead": 15, "suffix": 15, "eagle": 9, "medusa": 9}
+VERIFY_TOKENS = {"ar": 1, "draft": 9, "prompt-lookup": 15, "lookahead": 4, "suffix": 15, "eagle": 9, "medusa": 9}
 
 
 def test_registry_lists_every_method_once():
@@ -59,7 +59,7 @@ def test_export_defaults_and_overrides(tmp_path):
     cfg, overrides = load_export_config(user)
     assert cfg == ExportConfig(256, 64)
     methods = validate_methods(overrides)
-    assert methods["draft"].k == 4 and methods["lookahead"].verify_tokens == 3 * (5 + 2)
+    assert methods["draft"].k == 4 and methods["lookahead"].verify_tokens == 2 * (5 + 1)
     user.write_text("prefill_chunk: 0\n")
     with pytest.raises(SpecDeployError, match=r"config: prefill_chunk must be an integer >= 1, got 0"):
         load_export_config(user)
