@@ -17,7 +17,6 @@ bound as the plain one.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
@@ -27,17 +26,15 @@ import onnx
 from ..runtime.errors import SpecDeployError
 from ..runtime.graph_contract import DECODER, FUSED, PAST_LENGTH, TARGET, GraphRecord, is_present, unpadded_graph_file
 from .attention_pad import can_pad, pad_attention
+from .onnx_writer import files_by_content
 from .reference import CHECK_DIR, load_reference, save_reference
 
 
 def pad_float_target(out: Path, graphs: dict[str, GraphRecord], progress) -> dict:
     """Pad the target's fused graphs in the export staged at `out`; the manifest's `exact_rows` entry."""
     records = [g for g in graphs.values() if g.model == TARGET and g.flavor == FUSED and g.kind == DECODER]
-    by_content: dict[str, list[Path]] = {}
-    for g in records:
-        path = out / g.file
-        by_content.setdefault(hashlib.sha256(path.read_bytes()).hexdigest(), []).append(path)
-    loaded = [(paths, onnx.load(str(paths[0]), load_external_data=False)) for paths in by_content.values()]
+    loaded = [(paths, onnx.load(str(paths[0]), load_external_data=False))
+              for paths in files_by_content(out / g.file for g in records)]
     if not loaded or not all(can_pad(m.graph) for _, m in loaded):
         raise SpecDeployError("--exact-rows pads the target's fused GroupQueryAttention graphs, and this export "
                               "has none (drop --no-fused, or the target's family has no fused graph)")

@@ -26,6 +26,15 @@ INLINE_LIMIT = 1024  # bytes: small constants stay inside the graph
 ALIGN = 64
 
 
+def files_by_content(paths) -> list[list[Path]]:
+    """Graph files grouped by identical bytes, in first-seen order: a model's static-T graphs are
+    one content (module docstring), so a rewrite (quantization, padding) runs once per group."""
+    groups: dict[str, list[Path]] = {}
+    for path in paths:
+        groups.setdefault(hashlib.sha256(Path(path).read_bytes()).hexdigest(), []).append(Path(path))
+    return list(groups.values())
+
+
 class SharedWeights:
     """Appends tensors to one external-data file, each distinct payload once.
 

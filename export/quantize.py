@@ -41,7 +41,6 @@ session per model and the quantized weights exist once on disk and in memory.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,7 +264,7 @@ def quantize_model(model: onnx.ModelProto, scheme: WeightScheme) -> tuple[onnx.M
 def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, progress) -> dict:
     """Rewrite the fused graphs of each planned model in the export at `out` (its staging dir);
     returns the manifest's `quantization` entry."""
-    from .onnx_writer import SharedWeights
+    from .onnx_writer import SharedWeights, files_by_content
     from .reference import CHECK_DIR, reference_paths
 
     models = {}
@@ -278,12 +277,9 @@ def quantize_export(out: Path, graphs: dict[str, GraphRecord], plan: QuantPlan, 
         records = [g for g in graphs.values() if g.model == model and g.flavor == FUSED]
         if not records:
             raise SpecDeployError(f"--weights for {model}: the export has no fused {model} graphs to quantize")
-        by_content: dict[str, list[Path]] = {}
-        for g in records:
-            path = out / g.file
-            by_content.setdefault(hashlib.sha256(path.read_bytes()).hexdigest(), []).append(path)
         # Load every content (weights into memory) before the shared weights file is rewritten.
-        loaded = [(paths, onnx.load(str(paths[0]), load_external_data=True)) for paths in by_content.values()]
+        loaded = [(paths, onnx.load(str(paths[0]), load_external_data=True))
+                  for paths in files_by_content(out / g.file for g in records)]
         # the float payload (a self-draft's lives in the target's file, which is not rewritten)
         before = sum(size for _, size in {(t.name, len(t.raw_data)) for _, m in loaded for t in m.graph.initializer})
         # the float file is removed and rewritten below; what stays float (norms, an untied embedding,
