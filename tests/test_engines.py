@@ -5,12 +5,12 @@ Runtime). The lint on hand-built graphs, profiles from shapes and row runs: test
 from __future__ import annotations
 
 import shutil
-import types
 
 import numpy as np
 import onnx
 import pytest
 from conftest import run_cli
+from trt_standin import FAKE_TRT, StandInEngine
 
 from specdeploy.engines import lint
 from specdeploy.engines.engine_manifest import engine_status, graph_sources, make_record, save_engines
@@ -235,76 +235,16 @@ def test_generation_unchanged_on_iobinding_decoder(micro_export):
         assert bound.stats["kv_bytes_copied"] == plain.stats["kv_bytes_copied"]
 
 
-class _StandInEngine:
-    """Plays a deserialized TensorRT engine (the slice of its API the decoder uses) with an ORT
-    session over raw host pointers, and enforces the engine's optimization profile."""
-
-    def __init__(self, session, profile):
-        self.session, self.profile = session, profile
-        self.io = [(i.name, True, i.shape, i.type) for i in session.get_inputs()] + \
-                  [(o.name, False, o.shape, o.type) for o in session.get_outputs()]
-        self.num_io_tensors = len(self.io)
-
-    def _find(self, name):
-        return next(t for t in self.io if t[0] == name)
-
-    def get_tensor_name(self, i):
-        return self.io[i][0]
-
-    def get_tensor_mode(self, name):
-        return "INPUT" if self._find(name)[1] else "OUTPUT"
-
-    def get_tensor_dtype(self, name):
-        return {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}[self._find(name)[3]]
-
-    def get_tensor_shape(self, name):
-        return tuple(d if isinstance(d, int) else -1 for d in self._find(name)[2])
-
-    def create_execution_context(self):
-        return _StandInContext(self)
-
-
-class _StandInContext:
-    def __init__(self, engine):
-        self.engine, self.addresses, self.shapes = engine, {}, {}
-
-    def set_tensor_address(self, name, ptr):
-        self.addresses[name] = ptr
-        return True
-
-    def set_input_shape(self, name, shape):
-        if not self.engine.profile[name].contains(shape):
-            return False
-        self.shapes[name] = tuple(shape)
-        return True
-
-    def execute_async_v3(self, stream):
-        io = self.engine.session.io_binding()
-        tokens = self.shapes.get("input_ids", self.engine.get_tensor_shape("input_ids"))[1]
-        for name, is_input, _, _ in self.engine.io:
-            shape = self.shapes.get(name, self.engine.get_tensor_shape(name))
-            if not is_input:  # TensorRT infers outputs' dynamic dims (batch 1, T) from the inputs
-                shape = (1, tokens, *shape[2:])
-            if -1 in shape:
-                return False  # a dynamic input without a shape: TensorRT refuses too
-            bind = io.bind_input if is_input else io.bind_output
-            bind(name, "cpu", 0, self.engine.get_tensor_dtype(name), shape, self.addresses[name])
-        self.engine.session.run_with_iobinding(io)
-        return True
-
-
 def test_trt_decoder_binding_logic_on_a_stand_in_engine(micro_export):
     import onnxruntime as ort
 
     from specdeploy.runtime.backends.trt import TrtDecoder
 
     m = load_manifest(micro_export, verify_checksums=False)
-    fake_trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"),
-                                     nptype=lambda dtype: dtype)
-    engines = {t: _StandInEngine(ort.InferenceSession(str(m.graph_path(g)), providers=["CPUExecutionProvider"]),
-                                 graph_profile(m, g))
+    engines = {t: StandInEngine(ort.InferenceSession(str(m.graph_path(g)), providers=["CPUExecutionProvider"]),
+                                [graph_profile(m, g)])
                for t, g in m.decoder_graphs("target").items()}
-    dev = TrtDecoder.from_engines(m, "target", fake_trt, HostMemory(), engines)
+    dev = TrtDecoder.from_engines(m, "target", FAKE_TRT, HostMemory(), engines)
     _same_steps(OrtDecoder(m, "target"), dev)
     with pytest.raises(SpecDeployError, match="engines for T"):
-        TrtDecoder.from_engines(m, "target", fake_trt, HostMemory(), {1: engines[1]})
+        TrtDecoder.from_engines(m, "target", FAKE_TRT, HostMemory(), {1: engines[1]})

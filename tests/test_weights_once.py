@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO
+from trt_standin import FAKE_TRT, StandInEngine
 
 MIB = 1 << 20
 ALLOWANCE = 96 * MIB  # ORT sessions' own state, arenas of a T=64 call, the tokenizer: measured 40-60 MiB
@@ -301,73 +302,9 @@ def test_engine_has_one_profile_per_static_t(micro_export, tmp_path):
         assert (lo[1], hi[1]) == (0, m.max_context - t)
 
 
-class _ProfiledEngine:
-    """One TensorRT engine for every T, played by one ONNX Runtime session over host pointers:
-    a profile per T, a context per profile (as TensorRT allows one live context per profile)."""
-
-    def __init__(self, session, profiles):
-        self.session, self.profiles, self.contexts = session, profiles, []
-        self.io = [(i.name, True, i.shape, i.type) for i in session.get_inputs()] + \
-                  [(o.name, False, o.shape, o.type) for o in session.get_outputs()]
-        self.num_io_tensors, self.num_optimization_profiles = len(self.io), len(profiles)
-
-    def _find(self, name):
-        return next(t for t in self.io if t[0] == name)
-
-    def get_tensor_name(self, i):
-        return self.io[i][0]
-
-    def get_tensor_mode(self, name):
-        return "INPUT" if self._find(name)[1] else "OUTPUT"
-
-    def get_tensor_dtype(self, name):
-        return {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}[self._find(name)[3]]
-
-    def get_tensor_shape(self, name):
-        return tuple(d if isinstance(d, int) else -1 for d in self._find(name)[2])
-
-    def create_execution_context(self):
-        self.contexts.append(_ProfiledContext(self, 0 if not self.contexts else None))
-        return self.contexts[-1]
-
-
-class _ProfiledContext:
-    def __init__(self, engine, index):
-        self.engine, self.index, self.addresses, self.shapes = engine, index, {}, {}
-
-    def set_optimization_profile_async(self, index, stream):
-        if any(c.index == index for c in self.engine.contexts if c is not self):
-            return False  # a profile serves one live context
-        self.index, self.shapes = index, {}
-        return True
-
-    def set_tensor_address(self, name, ptr):
-        self.addresses[name] = ptr
-        return True
-
-    def set_input_shape(self, name, shape):
-        if self.index is None or not self.engine.profiles[self.index][name].contains(shape):
-            return False
-        self.shapes[name] = tuple(shape)
-        return True
-
-    def execute_async_v3(self, stream):
-        io = self.engine.session.io_binding()
-        tokens = self.shapes["input_ids"][1]
-        for name, is_input, _, _ in self.engine.io:
-            shape = self.shapes.get(name) if is_input else (1, tokens, *self.engine.get_tensor_shape(name)[2:])
-            if shape is None:
-                return False  # an input without a shape: TensorRT refuses too
-            bind = io.bind_input if is_input else io.bind_output
-            bind(name, "cpu", 0, self.engine.get_tensor_dtype(name), shape, self.addresses[name])
-        self.engine.session.run_with_iobinding(io)
-        return True
-
-
 def test_trt_decoder_runs_every_t_on_one_engine(micro_export):
-    """TrtDecoder over one multi-profile engine (the stand-in above): a context per T on its own
+    """TrtDecoder over one multi-profile engine (tests/trt_standin.py): a context per T on its own
     profile, and the same logits as the ORT decoder through prefill, a tree step and decode steps."""
-    import types
 
     import onnxruntime as ort
 
@@ -380,11 +317,9 @@ def test_trt_decoder_runs_every_t_on_one_engine(micro_export):
     m = load_manifest(micro_export, verify_checksums=False)
     graphs = sorted(m.decoder_graphs("target").items())
     session = ort.InferenceSession(str(m.graph_path(graphs[0][1])), providers=["CPUExecutionProvider"])
-    engine = _ProfiledEngine(session, [graph_profile(m, g) for _, g in graphs])
-    fake_trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"),
-                                     nptype=lambda dtype: dtype)
+    engine = StandInEngine(session, [graph_profile(m, g) for _, g in graphs])
     engines = {t: (engine, index) for index, (t, _) in enumerate(graphs)}  # one engine, profile i for the i-th T
-    dev = TrtDecoder.from_engines(m, "target", fake_trt, HostMemory(), engines)
+    dev = TrtDecoder.from_engines(m, "target", FAKE_TRT, HostMemory(), engines)
     assert sorted(c.index for c in engine.contexts) == list(range(len(graphs)))
     ref = OrtDecoder(m, "target")
     prompt = np.random.default_rng(0).integers(3, 500, 37)
