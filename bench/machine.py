@@ -22,6 +22,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The vector extensions ONNX Runtime's and llama.cpp's CPU kernels dispatch on: which of them a CPU has
+# decides int8/int4 speed (VNNI, AMX) and whether a quantized row is scored alike in any call size.
+KERNEL_ISA = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16", "asimd", "sve")
+
+
+def cpu_isa() -> list[str]:
+    """The KERNEL_ISA flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in KERNEL_ISA if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -63,7 +80,7 @@ def llc_bytes() -> int | None:
 
 
 def describe() -> dict:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+    return {"cpu": cpu_model(), "isa": cpu_isa(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "memory_gib": round(memory_gib() or 0, 1), "llc": last_level_cache(),
             "platform": platform.platform(), "python": platform.python_version()}
 

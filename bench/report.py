@@ -356,7 +356,7 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
              "```", meta["command"] or "specdeploy bench", "```", ""]
     lines += ["## Machine", "",
               f"- CPU: {mach['cpu']}, {mach['cores']} cores ({mach['usable_cores']} usable), "
-              f"last-level cache {mach.get('llc') or '?'}",
+              f"last-level cache {mach.get('llc') or '?'}; vector extensions: {', '.join(mach.get('isa') or ['?'])}",
               f"- memory: {mach['memory_gib']} GiB",
               f"- load average (1/5/15 min) at start {_load(mach.get('load_start'))}, "
               f"at end {_load(mach.get('load_end'))} "

@@ -86,6 +86,9 @@ def test_table_plot_and_markdown(bench):
     md = (bench.tmp / "BENCH.md").read_text()
     assert "## Machine" in md and "bench.png" in md and "tokens/s" in md and "## The machine's limit" in md
     assert "share of bound" in md and "The bound holds" in md
+    # the CPU's kernel-deciding vector extensions, read from /proc/cpuinfo (x86-64: avx2 at least; arm64: asimd)
+    isa = bench.result["machine"]["isa"]
+    assert isa and f"vector extensions: {', '.join(isa)}" in md
     assert "[" in bench.proc.stderr and "tok/s" in bench.proc.stderr  # progress while it runs
 
 
