@@ -19,6 +19,7 @@ The runner (bench/llamacpp_runner.py) is a subprocess in that venv, like onnxrun
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,21 @@ REQUIREMENT = "llama-cpp-python==0.3.36"
 # No multimodal library (nothing here uses it; a third less to compile). GGML_NATIVE: built for
 # this CPU, as llama.cpp's own build does by default.
 CMAKE_ARGS = "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"
+# llama.cpp 0.3.36's AMX kernels (quantized matmuls, on CPUs with AMX-INT8) can die with SIGILL: its
+# worker threads run tile instructions without the kernel's tile-data permission (llama.cpp PR 26954,
+# seen on a 2-core Xeon VM here, where a one-thread AMX program runs). Where a quantized GGUF dies so,
+# the venv is rebuilt with the AMX intrinsics off (GCC keeps an explicit -mno-* over -march=native),
+# and the marker file says so to the runner and the report.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX_MARKER = "specdeploy-no-amx"
+NO_AMX_REASON = ("built without AMX: its AMX kernels died with SIGILL on this machine (their worker threads "
+                 "lack the tile-data permission, llama.cpp PR 26954)")
+PROBE_SCRIPT = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], n_threads=2, n_threads_batch=2, n_ctx=64, verbose=False)
+llm.eval(llm.tokenize(b"def parse(argv):"))
+llm.eval([llm.tokenize(b" x", add_bos=False)[0]])
+"""
 RUNNER = Path(__file__).resolve().parent / "llamacpp_runner.py"
 MODELS = "llamacpp-models"
 SUPPORTED = ("llama",)
@@ -55,21 +71,51 @@ def version(py: Path) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def ensure_venv(peers_dir: str | Path, progress=print) -> Path:
-    """The llama-cpp-python venv, created and built on first use (cached: build/peers/llamacpp)."""
+def ensure_venv(peers_dir: str | Path, progress=print, amx: bool = True) -> Path:
+    """The llama-cpp-python venv, created and built on first use (cached: build/peers/llamacpp);
+    `amx=False` (re)builds it with the AMX intrinsics off unless it already is."""
     py = python(peers_dir)
-    if py.exists() and version(py):
-        return py
     venv = py.parent.parent
+    if py.exists() and version(py) and (amx or (venv / NO_AMX_MARKER).exists()):
+        return py
     log = Path(peers_dir) / "llamacpp-build.log"
-    progress(f"creating {venv} ({REQUIREMENT}; compiles llama.cpp with cmake, several minutes; log: {log})")
+    progress(f"creating {venv} ({REQUIREMENT}{'' if amx else ', AMX off'}; compiles llama.cpp with cmake, several "
+             f"minutes; log: {log})")
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     env = {**genai_env(), "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+    if not amx:
+        env.update(CFLAGS=NO_AMX_FLAGS, CXXFLAGS=NO_AMX_FLAGS)
     with open(log, "w") as f:
-        proc = subprocess.run([str(py), "-m", "pip", "install", "-v", REQUIREMENT], stdout=f,
+        # --no-cache-dir: pip would reuse the wheel it built with AMX
+        proc = subprocess.run([str(py), "-m", "pip", "install", "-v", "--no-cache-dir", REQUIREMENT], stdout=f,
                               stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not version(py):
         raise PeerUnavailable(f"llama-cpp-python did not build in {venv} (log: {log})")
+    if not amx:
+        (venv / NO_AMX_MARKER).write_text(NO_AMX_REASON + "\n")
+    return py
+
+
+def build_note(peers_dir: str | Path) -> str | None:
+    """How the venv's llama.cpp was built where it departs from CMAKE_ARGS (AMX off), else None."""
+    marker = python(peers_dir).parent.parent / NO_AMX_MARKER
+    return marker.read_text().strip() if marker.is_file() else None
+
+
+def ensure_runs(peers_dir: str | Path, gguf: str | Path, progress=print) -> Path:
+    """The venv, rebuilt without AMX where a quantized GGUF's first evals die with SIGILL in it (see
+    NO_AMX_FLAGS); any other failure of that probe is PeerUnavailable with its output."""
+    py = ensure_venv(peers_dir, progress)
+    for attempt in ("as built", "without AMX"):
+        proc = subprocess.run([str(py), "-c", PROBE_SCRIPT, str(gguf)], capture_output=True, text=True,
+                              env=runner_env(), timeout=300)
+        if proc.returncode == 0:
+            return py
+        if proc.returncode != -signal.SIGILL or attempt != "as built" or (py.parent.parent / NO_AMX_MARKER).exists():
+            raise PeerUnavailable(f"llama.cpp ({attempt}) failed on {Path(gguf).name} (exit {proc.returncode}): "
+                                  f"{(proc.stderr or proc.stdout).strip()[-300:]}")
+        progress(f"llama.cpp died with SIGILL on {Path(gguf).name} (its AMX kernels): rebuilding it without AMX")
+        py = ensure_venv(peers_dir, progress, amx=False)
     return py
 
 

@@ -2,7 +2,7 @@
 
 Standalone on purpose: that venv has llama-cpp-python and numpy, not specdeploy, so this
 imports only `protocol` from its own folder (a script's folder is on sys.path).
-Setup: {"gguf", "draft_gguf", "method", "threads", "method_params", "n_ctx", "kv_dtype"}.
+Setup: {"gguf", "draft_gguf", "method", "threads", "method_params", "n_ctx", "kv_dtype", "build_note"}.
 kv_dtype "float32" keeps the KV cache in float32 (as our float32 exports do; the bindings'
 default is float16, which flips near-tied greedy tokens); anything else keeps the default.
 
@@ -85,7 +85,8 @@ class LlamaCpp:
                      "system_info": " ".join(f for f in features.split("|") if "= 1" in f or "=1" in f)[:300],
                      "prompt_lookup": {"max_ngram_size": params.get("max_ngram"), "num_pred_tokens": params.get("k")}
                      if method == "prompt-lookup" else None,
-                     "draft_k": params.get("k") if method == "draft" else None}
+                     "draft_k": params.get("k") if method == "draft" else None,
+                     "build_note": setup.get("build_note")}  # e.g. AMX off, and why (bench/llamacpp.py)
 
     def run(self, req: dict):
         llm = self.llm

@@ -241,13 +241,15 @@ def main(argv: list[str] | None = None) -> int:
             py = llamacpp.ensure_venv(args.peers_dir)
             files = llamacpp.gguf_files(target, None, args.peers_dir, dtype)
             q8_0 = llamacpp.quantized_gguf(files["target"], "q8_0", args.peers_dir)  # beside our int8 exports
+            py = llamacpp.ensure_runs(args.peers_dir, q8_0)  # its quantized kernels too (AMX: see there)
             if draft is not None:
                 try:
                     files = llamacpp.gguf_files(target, draft, args.peers_dir, dtype)
                 except (PeerUnavailable, OSError) as exc:
                     status["llamacpp draft"] = f"unavailable: {exc}"
             files["q8_0"] = q8_0
-            status["llamacpp"] = (f"ok (llama-cpp-python {llamacpp.version(py)}): "
+            note = llamacpp.build_note(args.peers_dir)
+            status["llamacpp"] = (f"ok (llama-cpp-python {llamacpp.version(py)}{', ' + note if note else ''}): "
                                   + ", ".join(f"{k} {v}" for k, v in files.items()))
         except (PeerUnavailable, subprocess.CalledProcessError, OSError) as exc:
             status["llamacpp"] = f"unavailable: {exc}"

@@ -464,7 +464,8 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               "`LlamaDraftModel` hook, k greedy tokens per step (the bindings ship no model drafter of their own). "
               "With a drafter the bindings compute logits for every position (`logits_all`), as they require. "
               "Acceptance length = new tokens / `eval` calls."
-              + (f" CPU features: {lcpp['system_info']}." if lcpp.get("system_info") else ""), ""]
+              + (f" CPU features: {lcpp['system_info']}." if lcpp.get("system_info") else "")
+              + (f" This llama.cpp was {lcpp['build_note']}." if lcpp.get("build_note") else ""), ""]
     return "\n".join(lines)
 
 

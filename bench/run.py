@@ -273,6 +273,7 @@ def _setup_message(system: str, method: str, opts: BenchOptions, export, genai_d
         # llama.cpp's default (float16)
         setup["kv_dtype"] = export.manifest.dtype if system == "llamacpp" else None
         setup["draft_gguf"] = str(ggufs["draft"]) if "draft" in ggufs else None
+        setup["build_note"] = llamacpp.build_note(opts.peers_dir)
     return setup
 
 
