@@ -32,15 +32,16 @@ REQUIREMENT = "llama-cpp-python==0.3.36"
 # No multimodal library (nothing here uses it; a third less to compile). GGML_NATIVE: built for
 # this CPU, as llama.cpp's own build does by default.
 CMAKE_ARGS = "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"
-# llama.cpp 0.3.36's AMX kernels (quantized matmuls, on CPUs with AMX-INT8) can die with SIGILL: its
-# worker threads run tile instructions without the kernel's tile-data permission (llama.cpp PR 26954,
-# seen on a 2-core Xeon VM here, where a one-thread AMX program runs). Where a quantized GGUF dies so,
-# the venv is rebuilt with the AMX intrinsics off (GCC keeps an explicit -mno-* over -march=native),
-# and the marker file says so to the runner and the report.
+# llama.cpp 0.3.36's AMX kernels (quantized matmuls, on CPUs with AMX-INT8) can die with SIGILL at a
+# tile load: seen on a 2-core Xeon VM here, where a one-thread AMX program runs and requesting the
+# tile-data permission before loading did not help (llama.cpp PR 26954 names two such faults: worker
+# threads without the permission, a tile config optimized away). Where a quantized GGUF dies so, the
+# venv is rebuilt with the AMX intrinsics off (GCC keeps an explicit -mno-* over -march=native), and
+# a marker file says so to the runner and the report.
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 NO_AMX_MARKER = "specdeploy-no-amx"
-NO_AMX_REASON = ("built without AMX: its AMX kernels died with SIGILL on this machine (their worker threads "
-                 "lack the tile-data permission, llama.cpp PR 26954)")
+NO_AMX_REASON = ("built without AMX: its AMX kernels died with SIGILL at a tile load on this machine "
+                 "(llama.cpp PR 26954)")
 PROBE_SCRIPT = """
 import sys, llama_cpp
 llm = llama_cpp.Llama(sys.argv[1], n_threads=2, n_threads_batch=2, n_ctx=64, verbose=False)
