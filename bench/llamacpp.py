@@ -108,8 +108,11 @@ def ensure_runs(peers_dir: str | Path, gguf: str | Path, progress=print) -> Path
     NO_AMX_FLAGS); any other failure of that probe is PeerUnavailable with its output."""
     py = ensure_venv(peers_dir, progress)
     for attempt in ("as built", "without AMX"):
-        proc = subprocess.run([str(py), "-c", PROBE_SCRIPT, str(gguf)], capture_output=True, text=True,
-                              env=runner_env(), timeout=300)
+        try:
+            proc = subprocess.run([str(py), "-c", PROBE_SCRIPT, str(gguf)], capture_output=True, text=True,
+                                  env=runner_env(), timeout=300)
+        except subprocess.TimeoutExpired:
+            raise PeerUnavailable(f"llama.cpp ({attempt}) did not evaluate a few tokens of {Path(gguf).name} in 300 s")
         if proc.returncode == 0:
             return py
         if proc.returncode != -signal.SIGILL or attempt != "as built" or (py.parent.parent / NO_AMX_MARKER).exists():
