@@ -6,7 +6,9 @@ import argparse
 import errno
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .runtime.errors import SpecDeployError
@@ -399,7 +401,35 @@ def build_parser() -> argparse.ArgumentParser:
 OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+# Ctrl-Cs this process received (counted by _on_sigint): an interrupted import does not always carry its
+# KeyboardInterrupt (numpy's C module turns one into `PyCapsule_Import could not import module "datetime"`).
+_sigints = 0
+
+
+def _on_sigint(signum, frame):
+    """Python's default Ctrl-C handler (raise KeyboardInterrupt), counted."""
+    global _sigints
+    _sigints += 1
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _sigints
+    _sigints = 0
+    # Only where Python's default handler is set: not in a thread, nor where Ctrl-C is ignored (a shell's
+    # background job) or handled by an embedding program.
+    counting = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if counting:
+        signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        return _main(argv)
+    finally:
+        if counting and signal.getsignal(signal.SIGINT) is _on_sigint:  # the server may have set its own
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _main(argv: list[str] | None) -> int:
     # Everything inside the try: building the parser imports the runtime (numpy, ONNX Runtime), long
     # enough for a Ctrl-C at start-up to land there.
     try:
@@ -417,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         _discard_stdout()
         return 1
     except Exception as exc:  # never a traceback for the user; SPECDEPLOY_DEBUG=1 shows it
-        if _interrupted(exc):  # Ctrl-C inside an extension's import: ONNX Runtime's raises ImportError from it
+        if _sigints or _interrupted(exc):  # Ctrl-C inside an extension's import (ONNX Runtime's, numpy's)
             print("error: interrupted", file=sys.stderr)
             return 130
         if os.environ.get("SPECDEPLOY_DEBUG"):
