@@ -44,7 +44,7 @@ def test_the_draft_is_the_target_with_int4_weights(self_draft, micro_family):
         assert draft[key] == target[key], key
     assert "draft_vocab_file" not in draft  # a self-draft keeps the whole LM head
     methods = manifest["methods"]
-    assert methods["draft"]["stop_below"] == 0.4 and methods["draft"]["k"] >= 4
+    assert methods["draft"]["stop_below"] == 0.6 and methods["draft"]["k"] >= 4
     assert methods["draft"]["draft_vocab"] == 0  # the whole LM head, and the manifest says so
 
 
@@ -156,6 +156,12 @@ def test_greedy_output_equals_ar_whatever_the_stop_rule_drafts(self_draft):
     assert calls[0.0] < 0.6 * 40 * len(PROMPTS), calls
     # a high stop drafts fewer tokens per step, so it verifies more often
     assert calls[0.0] < calls[0.95], calls
+    # the stop rule priced the drafts by what the export measured: every greedy step counted its drafts
+    from specdeploy.runtime.drafters.acceptance import PRIOR_WEIGHT, ConfidenceAcceptance
+
+    table = export.part("draft-acceptance:greedy", ConfidenceAcceptance)
+    assert sum(table.offered) > len(table.offered) * PRIOR_WEIGHT + 40, table.offered
+    assert 0 < sum(table.hits) < sum(table.offered)
 
 
 @pytest.mark.parametrize("which", ["self", "own"])
@@ -177,6 +183,9 @@ def test_greedy_runner_up_leaves_are_verified_and_taken(self_draft, micro_export
             ids = export.tokenizer.encode(text)
             # a low stop: longer chains, so leaves beside drafts the chain went past get taken too
             drafter = build_drafter(export, export.method_config("draft", {"runner_up": runner_up, "stop_below": 0.05}))
+            # priced by its own probabilities: the chains stop short of k and leave the leaves room (the
+            # measured chance of a draft that agrees this well runs every chain to k)
+            drafter.acceptance = None
             update = drafter.update
 
             def recorded(state, proposal, verdict, out, update=update):
@@ -281,8 +290,13 @@ def test_batched_rows_self_draft_on_their_own_slots_kv(self_draft):
     with ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda job: batched.generate(**job, method="draft"), jobs))
     assert [r.token_ids for r in got] == want
-    ar_calls = [alone.generate(**job, method="draft").stats["target_calls"] for job in jobs]
-    assert [r.stats["target_calls"] for r in got] == ar_calls  # drafts as many tokens per call as alone
+    alone_calls = [alone.generate(**job, method="draft").stats["target_calls"] for job in jobs]
+    got_calls = [r.stats["target_calls"] for r in got]
+    # drafts about as many tokens per call as alone (not exactly: the stop rule prices drafts by what each
+    # service measured so far, and the two saw the requests in different orders); a wrong slot's rows
+    # would take few drafts, a call for nearly every token
+    assert all(calls <= 32 * 2 // 3 for calls in got_calls), (got_calls, alone_calls)
+    assert sum(got_calls) <= 1.6 * sum(alone_calls), (got_calls, alone_calls)
 
 
 def test_a_float_self_draft_keeps_its_whole_lm_head_too(micro_family, tmp_path):

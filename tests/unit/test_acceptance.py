@@ -5,8 +5,9 @@ draft when rows are free."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from specdeploy.runtime.drafters.acceptance import DEPTHS, RankAcceptance
+from specdeploy.runtime.drafters.acceptance import DEPTHS, ConfidenceAcceptance, RankAcceptance
 from specdeploy.runtime.drafters.base import DecodeState
 from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
 from specdeploy.runtime.drafters.step_costs import StepCosts, StepTimer, best_prefix
@@ -129,3 +130,73 @@ def test_free_rows_verify_the_whole_copy_and_a_step_without_one_measures_nothing
     lone.tokens.append(4)
     free.update(lone, proposal, Verdict([0], 4), None)
     assert proposal.size == 1 and free.rate.chain(9, 3) == before
+
+
+def test_a_drafts_confidence_is_priced_by_how_often_the_target_took_such_drafts():
+    """ConfidenceAcceptance: before any step a draft's chance is its own probability (its bin's
+    midpoint); measured, it is how often drafts of that confidence were the target's token, counted
+    down each chain to its first miss."""
+    table = ConfidenceAcceptance()
+    assert table.chance(0.45) == pytest.approx(0.45) and table.chance(0.999) == pytest.approx(0.995)
+    for _ in range(200):  # a near-identical draft: unsure picks (0.45) are taken all the same
+        table.observe([0.45, 0.45, 0.97], [1, 2, 3], [1, 2, 3])
+    assert table.chance(0.45) > 0.95 and table.chance(0.97) > 0.95
+    for _ in range(200):  # the first draft missed: the ones after it were never offered
+        table.observe([0.75, 0.45], [5, 6], [9, 6])
+    assert table.chance(0.75) < 0.05
+    assert 0.95 < table.chance(0.45) < 1  # the second drafts after a miss did not count
+    assert table.chance(0.15) == pytest.approx(0.15)  # a bin never offered keeps its prior
+    for _ in range(5000):  # counts are capped: a bin follows a drift within its last ~2,000 offers
+        table.observe([0.45], [1], [2])
+    assert table.chance(0.45) < 0.05
+
+
+def test_a_near_identical_draft_drafts_long_chains_under_the_measured_stop():
+    """The stop rule prices each draft by the measured table, not by the draft's own probability: a
+    draft that is always taken at probability 0.5 drafts its k tokens, where the product of its
+    probabilities (0.5, 0.25, ...) stopped it after two at stop_below 0.3."""
+    from specdeploy.runtime.drafters.draft_model import DraftModelDrafter
+
+    vocab = 8
+
+    class Cache:
+        length, max_context = 3, 64
+
+        def truncate(self, n):
+            Cache.length = n
+
+    class Out:
+        def __init__(self, token):
+            self.logits = np.log(np.full((1, vocab), 0.5 / (vocab - 1)))  # the pick at 0.5, the rest shared
+            self.logits[0, token] = np.log(0.5)
+
+    class Decoder:
+        cache = Cache()
+
+        def prefill_limit(self, chunk):
+            return chunk
+
+        def prefill(self, tokens, chunk):
+            return Out(1)
+
+        def forward(self, ids, pos, mask):
+            return Out(int(ids[-1]) % (vocab - 1) + 1)
+
+        def commit(self, out, rows):
+            Cache.length += 1
+
+        def reset(self):
+            Cache.length = 0
+
+    def drafts(table) -> int:
+        drafter = DraftModelDrafter(Decoder(), 6, 64, stop_below=0.3,
+                                    acceptance=None if table is None else (lambda mode: table))
+        Cache.length = 3
+        state = DecodeState([0, 0, 0, 0], SamplingParams(0.0), np.random.default_rng(0))
+        return len(drafter.propose(state).tokens) - 1
+
+    assert drafts(None) == 2  # 0.5, then 0.25 < 0.3
+    table = ConfidenceAcceptance()
+    for _ in range(100):
+        table.observe([0.5] * 6, [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])
+    assert drafts(table) == 6

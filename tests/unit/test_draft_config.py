@@ -28,7 +28,7 @@ def test_bad_draft_config(params, needle):
 
 
 def test_stop_below_is_a_probability_below_one():
-    assert method_spec("draft").parse({}).stop_below == 0.4
+    assert method_spec("draft").parse({}).stop_below == 0.6
     assert method_spec("draft").parse({"stop_below": 0}).stop_below == 0
     for bad in (-0.1, 1, 1.5, True, "0.4", float("nan")):
         with pytest.raises(SpecDeployError, match="draft.stop_below must be a number in"):

@@ -228,7 +228,7 @@ def test_build_drafter_refuses_a_config_bigger_than_the_export():
 
     with pytest.raises(SpecDeployError) as err:
         build_drafter(Export(), method_spec("draft").parse({"k": 20}))
-    assert str(err.value) == ("method 'draft' with k=20, draft_vocab=0, stop_below=0.4, runner_up=0.1 needs a target "
+    assert str(err.value) == ("method 'draft' with k=20, draft_vocab=0, stop_below=0.6, runner_up=0.1 needs a target "
                               "graph of 21 tokens; this export's largest is 15 (re-export with this config)")
     inline = method_spec("medusa").parse({"tree": [[r] for r in range(20)]})
     with pytest.raises(SpecDeployError, match=r"tree=<20 inline entries>, top_k=20, draft_vocab=1024 needs"):
