@@ -371,6 +371,7 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               f"{limit.get('dtype')}); every peer loads the same target (and draft) weights it was exported from: "
               "HF and optimum the HF dir, onnxruntime-genai its builder's conversion of it, llama.cpp a GGUF of it at "
               "the same precision",
+              *draft_lines(meta.get("draft")),
               "- precisions: " + (", ".join(f"`{s}` runs `{q['export']}` (`specdeploy export --weights "
                                            f"int{q['scheme']['models']['target']['bits']}`: MatMulNBits, block "
                                            f"{q['scheme']['models']['target']['block_size']}, LM head "
@@ -467,6 +468,18 @@ def benchmarks_md(result: dict, plot_path: Path | None, md_path: Path) -> str:
               + (f" CPU features: {lcpp['system_info']}." if lcpp.get("system_info") else "")
               + (f" This llama.cpp was {lcpp['build_note']}." if lcpp.get("build_note") else ""), ""]
     return "\n".join(lines)
+
+
+def draft_lines(draft: dict | None) -> list[str]:
+    """The Settings line on the draft model, where the export has one."""
+    if not draft:
+        return []
+    if not draft.get("self"):
+        return ["- draft model: the export's (`export --draft DIR`), loaded by every peer with a draft mode"]
+    ours = f"int{draft['bits']}" if draft.get("bits") else "float"
+    return [f"- draft model: the target itself (`export --draft self`), ours at {ours} weights; onnxruntime-genai's "
+            "draft mode drafts with its int4 build of the target, llama.cpp's with the original Q4_1 GGUF (each "
+            "peer's own quantized copy)"]
 
 
 def limit_lines(limit: dict) -> list[str]:

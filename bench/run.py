@@ -523,9 +523,19 @@ def _aggregate(workers, sets, samples, skipped, opts, export, info, bandwidth, q
                  "quantized": {system: {"export": str(q.manifest.root), "scheme": q.manifest.raw.get("quantization")}
                                for system, q in (quant or {}).items()},
                  "methods": {name: to_dict(config) for name, config in export.methods.items()},
+                 "draft": draft_model(export),
                  "versions": _versions()},
         "machine": info, "limit": limit, "results": results, "skipped": skipped, "per_prompt": per_prompt,
     }
+
+
+def draft_model(export) -> dict | None:
+    """The export's draft model as the report names it: whether it is the target itself (`export --draft
+    self`) and the bits of its quantized weights (None: float)."""
+    if "draft" not in export.manifest.models:
+        return None
+    scheme = ((export.manifest.raw.get("quantization") or {}).get("models") or {}).get("draft") or {}
+    return {"self": is_self_draft(_source(export, "target"), _source(export, "draft")), "bits": scheme.get("bits")}
 
 
 def _target_graph(export) -> tuple[Path, int] | None:

@@ -90,6 +90,17 @@ def test_table_plot_and_markdown(bench):
     isa = bench.result["machine"]["isa"]
     assert isa and f"vector extensions: {', '.join(isa)}" in md
     assert "[" in bench.proc.stderr and "tok/s" in bench.proc.stderr  # progress while it runs
+    # which draft model each system drafts with: the micro export's own, which peers load too
+    assert bench.result["meta"]["draft"] == {"self": False, "bits": None}
+    assert "- draft model: the export's (`export --draft DIR`)" in md
+
+
+def test_the_report_names_each_systems_self_draft():
+    from specdeploy.bench.report import draft_lines
+
+    assert draft_lines(None) == []
+    line, = draft_lines({"self": True, "bits": 8})
+    assert "ours at int8 weights" in line and "int4 build" in line and "Q4_1 GGUF" in line
 
 
 def test_a_rerun_replaces_its_own_outputs_and_refuses_anything_else(micro_export, tmp_path):
