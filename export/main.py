@@ -76,11 +76,15 @@ def resolve_draft(args, progress) -> None:
     as its weights make it (runtime/drafters/draft_model.py). Nothing to train, and it agrees with the
     target far more often than a small model does (SmolLM2-135M, int4: 80% / 87% of greedy chat /
     code tokens, against 23% / 30% for a 2-layer draft distilled in make export's budget).
-    int4 stays the default under a float32 target: an int8 copy takes the target's greedy token at
-    97.7% of 1,536 teacher-forced chat, code and grounded positions (int4: 83.7%), but on a 2-core
-    EPYC (AVX512-VNNI) its one-row call costs 9.6 ms against 7.9 (200 cached tokens), and `auto` ran
-    0.95-1.04x as fast with it across the bench's prompt sets (`draft` alone 0.98-1.08x). Where a
-    draft call is cheaper beside a verify, `--draft-weights int8` is worth measuring."""
+    An int8 copy takes the target's greedy token at 97-99% of teacher-forced chat, code and grounded
+    positions (int4: 78-89%) for a dearer call (2-core Xeon, 200 cached tokens: 1.3x int4's, 0.35x
+    a float32 step). While the stop rule priced drafts by their own probabilities it stopped the
+    int8 copy's chains early, and `auto` ran 0.95-1.04x as fast with it (2-core EPYC); priced by
+    measured acceptance (drafters/draft_model.py), `draft` ran 1.09-1.10x and `auto` 1.07x as fast
+    with it on chat, 0.98-0.99x on code and grounded prompts (SmolLM2-135M, 8 prompts a set x 96
+    tokens, one process, interleaved), so `make export` builds the int8 copy. int4 stays this
+    option's default: where the weights do not fit the CPU's caches a step reads them from memory,
+    and int8 reads twice int4's bytes for an agreement that a larger model's int4 copy mostly has."""
     if args.draft is None or str(args.draft) != SELF_DRAFT:
         args.draft = None if args.draft is None else Path(args.draft)
         return
