@@ -7,12 +7,12 @@ cache, the prompt's at the start, each step's accepted tokens' after it): it nev
 prompt nor catches up on plain steps' tokens, and it drafts on the target's own rows.
 It stops drafting once the chance that every draft so far is accepted falls below
 `stop_below`: a draft whose predecessors are probably wrong costs a draft call and a verify
-row for nothing. Each draft's chance is what the export measured for drafts picked with its
-probability (drafters/acceptance.py: ConfidenceAcceptance, per decoding mode), not the
-probability itself: a draft's probability says how sure the draft is, not how often the
-target agrees. Taken raw (their product), SmolLM2-135M's int8 self-draft, which agrees with
-its float32 target on 97-99% of greedy tokens, stopped after 2-3 drafts; measured, its chains
-run on. Replayed on teacher-forced drafts of the target's own answers to the kit's prompts
+row for nothing. Each draft's chance is the measured acceptance of drafts picked with its
+probability (drafters/acceptance.py: ConfidenceAcceptance; greedy, the export's table, sampled,
+the request's own), not the probability itself: a draft's probability says how sure the draft
+is, not how often the target agrees. Taken raw (their product), SmolLM2-135M's int8 self-draft, which agrees with
+its float32 target on 97-99% of greedy tokens, took 3.7 tokens a target call on chat; measured,
+7.6. Replayed on teacher-forced drafts of the target's own answers to the kit's prompts
 (train/, not the bench's) with call costs measured on a 2-core Xeon (a draft call 0.35x a float32
 step at int8, 0.26x at int4): 1.86x / 1.90x the plain step rate on chat
 / code for the int8 self-draft against 1.65x / 1.74x with the raw product at 0.4; the int4 one
@@ -90,11 +90,10 @@ def build(export, config: DraftConfig) -> DraftModelDrafter:
     # A quantized target is verified along a tree's leading chain only: a leaf there is no more than the
     # bonus token it would be anyway, so its row would buy nothing.
     runner_up = 0.0 if exact_rows_only(export) else config.runner_up
-    # the drafts' measured acceptance is the export's (its target's and draft's), per decoding mode: every
-    # request adds to it
+    # greedy, the drafts' measured acceptance is the export's (its target's and draft's): every request adds to it
     acceptance = None
     if config.stop_below:
-        acceptance = lambda mode: export.part(f"draft-acceptance:{mode}", ConfidenceAcceptance)  # noqa: E731
+        acceptance = lambda: export.part("draft-acceptance:greedy", ConfidenceAcceptance)  # noqa: E731
     return DraftModelDrafter(draft, config.k, export.prefill_chunk, ids,
                              export.manifest.models["draft"].vocab_size, config.stop_below, seed, runner_up, acceptance)
 
@@ -138,10 +137,11 @@ class DraftModelDrafter(Drafter):
     def __init__(self, decoder: Decoder, k: int, prefill_chunk: int, vocab_ids: np.ndarray | None = None,
                  vocab_size: int = 0, stop_below: float = 0.0, seed_from: Decoder | None = None,
                  runner_up: float = 0.0, acceptance=None):
-        """`acceptance(mode)`: the ConfidenceAcceptance of a decoding mode ("greedy", "seeded", "rejection")
-        that prices the stop rule; None: each draft's own probability does."""
+        """`acceptance()`: the ConfidenceAcceptance that prices the greedy stop rule, shared by requests; a
+        sampled request prices it by a table of its own (`_table`). None: each draft's own probability does."""
         self.decoder, self.k, self.stop_below, self.runner_up = decoder, k, stop_below, runner_up
         self.acceptance = acceptance
+        self._sampled: ConfidenceAcceptance | None = None  # this sampled request's table
         self._measured: tuple | None = None  # this step's (acceptance table, the drafts' probabilities, drafts)
         self.chunk = decoder.prefill_limit(prefill_chunk)  # its longer prefill calls where it runs them
         # vocab_ids: the draft's logits score only these target ids (a draft vocabulary); its
@@ -163,7 +163,7 @@ class DraftModelDrafter(Drafter):
 
     def start(self, state: DecodeState) -> None:
         self.decoder.reset()
-        self._fed = self._measured = None  # no step of an earlier request is still to be observed
+        self._fed = self._measured = self._sampled = None  # no step of an earlier request is still to be observed
         self._seeded = 0
         # The prompt's rows now, beside the prefill, not in the first proposal: a fused method times its
         # model part's drafting there, and a long prompt's copy would price its drafts too high.
@@ -198,6 +198,19 @@ class DraftModelDrafter(Drafter):
         drawn = sample(q, state.rng)
         return (drawn if ids is None else int(ids[drawn])), float(q[drawn])
 
+    def _table(self, state: DecodeState) -> ConfidenceAcceptance | None:
+        """What prices this step's stop rule. Greedy, the export's table: the tokens are `ar`'s whatever the
+        chains. Sampled, the request's own, learned over its steps: rejection sampling's draws follow the
+        chains, and a seed replays its tokens only while its chains do not depend on earlier requests
+        (README, "Seed-exact sampling")."""
+        if self.acceptance is None:
+            return None
+        if state.params.greedy:
+            return self.acceptance()
+        if self._sampled is None:
+            self._sampled = ConfidenceAcceptance()
+        return self._sampled
+
     def propose(self, state: DecodeState) -> Proposal:
         # Invariant: the draft cache holds committed tokens; feed whatever it lacks (the root,
         # plus the last draft token when every draft was accepted: the T=2 graph, where a
@@ -221,8 +234,7 @@ class DraftModelDrafter(Drafter):
         # greedy: (worth, index i, token): the runner-up beside drafts[i], worth the chance it is the target's
         candidates: list[tuple[float, int, int]] = []
         self._second = (0, 0.0)
-        table = None if self.acceptance is None else self.acceptance(
-            "greedy" if state.params.greedy else "seeded" if state.noise is not None else "rejection")
+        table = self._table(state)
         token, p = self._pick(out.logits[-1], state, first, probs)
         drafts, picked_probs = [token], [p]
         chance = p if table is None else table.chance(p)

@@ -190,7 +190,7 @@ def test_a_near_identical_draft_drafts_long_chains_under_the_measured_stop():
 
     def drafts(table) -> int:
         drafter = DraftModelDrafter(Decoder(), 6, 64, stop_below=0.3,
-                                    acceptance=None if table is None else (lambda mode: table))
+                                    acceptance=None if table is None else (lambda: table))
         Cache.length = 3
         state = DecodeState([0, 0, 0, 0], SamplingParams(0.0), np.random.default_rng(0))
         return len(drafter.propose(state).tokens) - 1
