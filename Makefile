@@ -20,8 +20,8 @@ MODEL_DIR := $(BUILD)/models/smollm2-135m-instruct
 #                 self --draft-weights int8`), Medusa heads and an EAGLE head trained here on its own
 #                 responses -> build/export/default
 #   DRAFT_WEIGHTS=int4  the self-draft's weights (int8: on SmolLM2-135M it agrees with the target on
-#                 97-99% of greedy tokens against int4's 78-89%, at 1.3x int4's call: `draft` 1.09-1.10x and
-#                 `auto` 1.07x as fast on chat, 0.98-0.99x on code and grounded prompts; see export/main.py)
+#                 97-99% of greedy tokens against int4's 78-89%, at 1.3x int4's call: `draft` 1.10x / 1.09x
+#                 as fast on chat / code, `auto` 1.07x on chat and 0.98-1.00x on the other sets; export/main.py)
 #   TARGET=DIR    a local HF model dir instead; its heads are trained for it -> build/export/<dir name>
 #   DRAFT=distilled  a 2-layer draft cut from the target and distilled (train/draft.py) instead of the
 #                 self-draft (SmolLM2-135M: it agrees on 23-30% of greedy tokens, the int4 self 80-87%)

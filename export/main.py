@@ -80,9 +80,9 @@ def resolve_draft(args, progress) -> None:
     positions (int4: 78-89%) for a dearer call (2-core Xeon, 200 cached tokens: 1.3x int4's, 0.35x
     a float32 step). While the stop rule priced drafts by their own probabilities it stopped the
     int8 copy's chains early, and `auto` ran 0.95-1.04x as fast with it (2-core EPYC); priced by
-    measured acceptance (drafters/draft_model.py), `draft` ran 1.09-1.10x and `auto` 1.07x as fast
-    with it on chat, 0.98-0.99x on code and grounded prompts (SmolLM2-135M, 8 prompts a set x 96
-    tokens, one process, interleaved), so `make export` builds the int8 copy. int4 stays this
+    measured acceptance (drafters/draft_model.py), `draft` ran 1.10x / 1.09x as fast with it on chat /
+    code and `auto` 1.07x on chat, 0.98-1.00x on code, grounded and repeated prompts (SmolLM2-135M,
+    6-8 prompts a set x 64-96 tokens, one process, interleaved), so `make export` builds the int8 copy. int4 stays this
     option's default: where the weights do not fit the CPU's caches a step reads them from memory,
     and int8 reads twice int4's bytes for an agreement that a larger model's int4 copy mostly has."""
     if args.draft is None or str(args.draft) != SELF_DRAFT:
