@@ -290,13 +290,12 @@ def test_batched_rows_self_draft_on_their_own_slots_kv(self_draft):
     with ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda job: batched.generate(**job, method="draft"), jobs))
     assert [r.token_ids for r in got] == want
-    alone_calls = [alone.generate(**job, method="draft").stats["target_calls"] for job in jobs]
-    got_calls = [r.stats["target_calls"] for r in got]
-    # drafts about as many tokens per call as alone (not exactly: the stop rule prices drafts by what each
-    # service measured so far, and the two saw the requests in different orders); a wrong slot's rows
-    # would take few drafts, a call for nearly every token
-    assert all(calls <= 32 * 2 // 3 for calls in got_calls), (got_calls, alone_calls)
-    assert sum(got_calls) <= 1.6 * sum(alone_calls), (got_calls, alone_calls)
+    # drafts as many tokens per call as alone. The stop rule prices drafts by what its instance measured in
+    # earlier requests (drafters/acceptance.py), and each batch row served its one request fresh: so does
+    # each request here, on an instance of its own
+    alone_calls = [Service.load(self_draft, pool_size=1).generate(**job, method="draft").stats["target_calls"]
+                   for job in jobs]
+    assert [r.stats["target_calls"] for r in got] == alone_calls
 
 
 def test_a_float_self_draft_keeps_its_whole_lm_head_too(micro_family, tmp_path):

@@ -8,7 +8,7 @@ prompt nor catches up on plain steps' tokens, and it drafts on the target's own 
 It stops drafting once the chance that every draft so far is accepted falls below
 `stop_below`: a draft whose predecessors are probably wrong costs a draft call and a verify
 row for nothing. Each draft's chance is the measured acceptance of drafts picked with its
-probability (drafters/acceptance.py: ConfidenceAcceptance; greedy, the export's table, sampled,
+probability (drafters/acceptance.py: ConfidenceAcceptance; greedy, the instance's table, sampled,
 the request's own), not the probability itself: a draft's probability says how sure the draft
 is, not how often the target agrees. Taken raw (their product), SmolLM2-135M's int8 self-draft, which agrees with
 its float32 target on 97-99% of greedy tokens, took 3.7 tokens a target call on chat; measured,
@@ -90,7 +90,8 @@ def build(export, config: DraftConfig) -> DraftModelDrafter:
     # A quantized target is verified along a tree's leading chain only: a leaf there is no more than the
     # bonus token it would be anyway, so its row would buy nothing.
     runner_up = 0.0 if exact_rows_only(export) else config.runner_up
-    # greedy, the drafts' measured acceptance is the export's (its target's and draft's): every request adds to it
+    # greedy, the drafts' measured acceptance is this instance's (a pool instance's or batch row's, as every
+    # export part): each request it serves adds to it
     acceptance = None
     if config.stop_below:
         acceptance = lambda: export.part("draft-acceptance:greedy", ConfidenceAcceptance)  # noqa: E731
@@ -137,8 +138,9 @@ class DraftModelDrafter(Drafter):
     def __init__(self, decoder: Decoder, k: int, prefill_chunk: int, vocab_ids: np.ndarray | None = None,
                  vocab_size: int = 0, stop_below: float = 0.0, seed_from: Decoder | None = None,
                  runner_up: float = 0.0, acceptance=None):
-        """`acceptance()`: the ConfidenceAcceptance that prices the greedy stop rule, shared by requests; a
-        sampled request prices it by a table of its own (`_table`). None: each draft's own probability does."""
+        """`acceptance()`: the ConfidenceAcceptance that prices the greedy stop rule, shared by the requests the
+        instance serves; a sampled request prices it by a table of its own (`_table`). None: each draft's own
+        probability does."""
         self.decoder, self.k, self.stop_below, self.runner_up = decoder, k, stop_below, runner_up
         self.acceptance = acceptance
         self._sampled: ConfidenceAcceptance | None = None  # this sampled request's table
@@ -199,7 +201,7 @@ class DraftModelDrafter(Drafter):
         return (drawn if ids is None else int(ids[drawn])), float(q[drawn])
 
     def _table(self, state: DecodeState) -> ConfidenceAcceptance | None:
-        """What prices this step's stop rule. Greedy, the export's table: the tokens are `ar`'s whatever the
+        """What prices this step's stop rule. Greedy, the instance's table: the tokens are `ar`'s whatever the
         chains. Sampled, the request's own, learned over its steps: rejection sampling's draws follow the
         chains, and a seed replays its tokens only while its chains do not depend on earlier requests
         (README, "Seed-exact sampling")."""
