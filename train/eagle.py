@@ -298,6 +298,8 @@ def train_eagle(target_dir: Path, out_dir: Path, spec: EagleTrainSpec, progress:
     else:
         (seqs, feats, labels), evals, vocab_text = _responses_data(target, Path(data_dir), spec, progress, t0)
 
+    # Randomly initialised: started from a target layer's weights (SmolLM2-135M's layer 15, 25 or 29, the
+    # MLP cut to the head's width or whole) the `real` recipe diverged (loss 5e3-1e4, top-1 under 0.01).
     head = new_head(1, target, seed=spec.seed, intermediate=spec.intermediate or None)
     for p in (*head.embed_tokens.parameters(), *head.target_lm_head.parameters()):
         p.requires_grad_(False)
