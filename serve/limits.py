@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..runtime.errors import SpecDeployError
 
 CONNECTION_HEADROOM = 64  # requests in progress beyond the admitted generations: /v1/models, refusals
+MAX_TIMEOUT_S = 86400  # a day: past it a timeout is a typo, or no timeout at all
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class ServeLimits:
     max_body_bytes: int = 1 << 20
     max_header_bytes: int = 64 << 10  # request line and headers (serve/header_limit.py)
     body_timeout_s: float = 30.0  # to receive the whole body
+    header_timeout_s: float = 10.0  # from a connection's opening (or last response) to a whole request head
     max_stop: int = 16  # stop strings per request (OpenAI allows 4)
     max_stop_chars: int = 256  # a stop string's length: text that may still become one is held back
     request_timeout_s: float | None = 600.0  # arrival to last token, queue included; None: no deadline
@@ -33,10 +35,11 @@ class ServeLimits:
         for name in ("max_body_bytes", "max_header_bytes", "max_stop", "max_stop_chars", "template_processes"):
             if getattr(self, name) < 1:
                 raise SpecDeployError(f"{_option(name)} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("body_timeout_s", "request_timeout_s", "template_timeout_s", "tokenize_timeout_s"):
+        for name in ("body_timeout_s", "header_timeout_s", "request_timeout_s", "template_timeout_s",
+                     "tokenize_timeout_s"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise SpecDeployError(f"{_option(name)} must be > 0 seconds, got {value!r}")
+            if value is not None and not 0 < value <= MAX_TIMEOUT_S:  # inf and 1e300 overflow the event loop's timers
+                raise SpecDeployError(f"{_option(name)} must be > 0 and at most {MAX_TIMEOUT_S} seconds, got {value!r}")
 
     def model_len(self, max_context: int) -> int:
         """The context a request may use; more than the export holds is refused at start-up."""

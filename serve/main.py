@@ -72,10 +72,12 @@ def run_server(args) -> int:
     limits = ServeLimits(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
                          max_concurrent_requests=args.max_concurrent_requests, max_connections=args.max_connections,
                          max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
-                         body_timeout_s=args.body_timeout,
+                         body_timeout_s=args.body_timeout, header_timeout_s=args.header_timeout,
                          max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                          request_timeout_s=args.request_timeout or None, template_timeout_s=args.template_timeout,
                          tokenize_timeout_s=args.tokenize_timeout)
+    if args.api_key is not None and not args.api_key.strip():  # an empty key would have served without one
+        raise SpecDeployError("--api-key is empty: give a key, or leave the option out to serve without one")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
     if "*" in origins:
@@ -104,7 +106,7 @@ def _serve(args, sock, limits, api_key, origins) -> int:
     from ..runtime.backends import use_shared_threads
     from ..runtime.service import Service
     from .app import create_app
-    from .header_limit import HeaderLimitedH11Protocol
+    from .header_limit import with_head_timeout
     from .security import uvicorn_limit
 
     _warn_if_open(args.host, api_key)
@@ -123,7 +125,8 @@ def _serve(args, sock, limits, api_key, origins) -> int:
           f"{server.admission.limit} requests in flight, context {server.model_len}; "
           f"API key {'required' if api_key else 'not set'})", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, http=HeaderLimitedH11Protocol,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            http=with_head_timeout(limits.header_timeout_s),
                             h11_max_incomplete_event_size=limits.max_header_bytes,
                             limit_concurrency=uvicorn_limit(server.connection_limit))  # the app answers first, in JSON
     served = _uvicorn_server(config, server)
@@ -214,6 +217,9 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size; beyond: 413")
     s.add_argument("--max-header-bytes", type=int, default=64 << 10, help="request line and headers; beyond: 431")
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body; then 408")
+    s.add_argument("--header-timeout", type=float, default=10.0, help="seconds a connection has to send a whole "
+                   "request head (from opening, or from its first byte on a kept-alive connection); then 408, or "
+                   "closed if it sent nothing")
     s.add_argument("--max-stop", type=int, default=16, help="stop strings per request")
     s.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
     s.add_argument("--request-timeout", type=float, default=600.0,

@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import re
+import resource
 import time
 import uuid
 
@@ -124,7 +125,18 @@ class ConnectionLimitMiddleware:
             self.active -= 1
 
 
+IDLE_CONNECTIONS = 1024  # open connections uvicorn allows beyond the app's limit (uvicorn_limit)
+FD_RESERVE = 128  # file descriptors kept for the process's own files and sessions
+
+
 def uvicorn_limit(connection_limit: int) -> int:
     """uvicorn's own limit for a server that refuses past `connection_limit` itself: above it, so that
-    uvicorn's plain-text 503 is only a backstop (it counts the connection being answered, hence + 1)."""
-    return connection_limit + max(8, connection_limit // 4) + 1
+    uvicorn's plain-text 503 is only a backstop (it counts the connection being answered, hence + 1).
+    uvicorn counts open connections, idle ones too, so it leaves room for IDLE_CONNECTIONS of them (each
+    closed after --header-timeout: serve/header_limit.py): at + 18, 91 sockets that sent nothing shut
+    every client out, /health included. Within the process's file limit, less FD_RESERVE for its own files."""
+    limit = connection_limit + max(IDLE_CONNECTIONS, connection_limit // 4) + 1
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        limit = min(limit, max(connection_limit + 1, soft - FD_RESERVE))
+    return limit

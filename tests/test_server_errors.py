@@ -111,7 +111,7 @@ def test_request_ids_are_accepted_returned_and_logged(broken_server):
 def limited_server(micro_export):
     with ServerProcess(micro_export, "--max-model-len", "64", "--max-tokens", "8", "--max-stop", "2",
                        "--max-stop-chars", "8", "--max-body-bytes", "4096", "--body-timeout", "1",
-                       "--max-header-bytes", "8192") as srv:
+                       "--max-header-bytes", "8192", "--header-timeout", "2") as srv:
         yield srv
 
 
@@ -152,6 +152,38 @@ def test_slow_body_times_out(limited_server):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
     assert time.monotonic() - t0 < 5
+
+
+def test_slow_head_times_out(limited_server):
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost")
+        answer = b""
+        while chunk := sock.recv(4096):  # then the server closes
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "request_timeout"
+    assert 1.5 < time.monotonic() - t0 < 8
+
+
+def test_idle_connections_do_not_shut_out_clients(limited_server):
+    """Sockets that send nothing (or half a request line) used to stay open for good, and past uvicorn's
+    connection limit (92 here) every client, /health included, got a plain-text 503."""
+    idle = [socket.create_connection(("127.0.0.1", limited_server.port), timeout=10) for _ in range(150)]
+    try:
+        for sock in idle[::2]:
+            sock.sendall(b"POST /v1/compl")
+        time.sleep(0.3)
+        assert httpx.get(f"{limited_server.url}/health", timeout=10).status_code == 200
+        assert _post(limited_server, {"model": "micro", "prompt": "x", "max_tokens": 2}).status_code == 200
+        for sock in idle:  # each closed after --header-timeout: a 408 where it had begun a head
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:80]
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 @pytest.mark.parametrize("size", [9000, 300_000, 4_000_000])

@@ -77,7 +77,16 @@ def test_a_bad_serve_limit_names_the_option_it_came_from(tmp_path):
     proc = run_cli("serve", tmp_path / "never-loaded", "--template-timeout", "0", timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "error: --template-timeout (template_timeout_s) must be > 0 seconds, got 0.0"], proc.stderr
+        "error: --template-timeout (template_timeout_s) must be > 0 and at most 86400 seconds, got 0.0"], proc.stderr
+
+
+@pytest.mark.parametrize("option, value", [("--body-timeout", "1e300"), ("--header-timeout", "inf"),
+                                           ("--header-timeout", "nan"), ("--request-timeout", "-1")])
+def test_serve_timeouts_are_finite(tmp_path, option, value):
+    """A timeout past a day (1e300, inf: the event loop's timers overflow) or not a positive number is refused."""
+    proc = run_cli("serve", tmp_path / "never-loaded", option, value, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "must be > 0 and at most 86400 seconds" in proc.stderr and option in proc.stderr, proc.stderr
 
 
 def test_every_serve_limit_is_named_by_an_option_serve_has():
@@ -154,3 +163,11 @@ def test_make_bench_may_rewrite_its_committed_outputs(monkeypatch):
         check_outputs({"--plot": Path("README.md")})
     with pytest.raises(SpecDeployError, match="--markdown README.md exists and was not written by"):
         check_outputs({**outputs, "--markdown": Path("README.md")})
+
+
+def test_an_empty_api_key_is_refused(tmp_path):
+    """`--api-key ""` served with no key at all (an unset $SPECDEPLOY_API_KEY still means none)."""
+    proc = run_cli("serve", tmp_path / "never-loaded", "--api-key", " ", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --api-key is empty: give a key, or leave the option out to serve without one"], proc.stderr
