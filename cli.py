@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import signal
 import sys
@@ -37,6 +38,32 @@ def _prompt_ids(export, args) -> list[int]:
     if getattr(args, "prompt_ids", None) is not None:
         return _ids(args.prompt_ids)
     return export.tokenizer.encode(_text(args.prompt, "--prompt"))
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a bad value is argparse's one-line usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+MAX_WORKSPACE_GB = 1 << 20  # far above any GPU's memory; TensorRT takes the limit in bytes as a size_t
+
+
+def _workspace_gb(text: str) -> float:
+    """An argparse type: GiB above 0 (-1, nan or inf would reach TensorRT as a byte count)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_WORKSPACE_GB:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"expected a number of GiB above 0 (at most {MAX_WORKSPACE_GB}), "
+                                         f"got {text!r}")
+    return value
 
 
 def _method_params(items: list[str] | None) -> dict:
@@ -82,10 +109,11 @@ def cmd_generate(args) -> int:
 
     use_shared_threads(args.threads)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.sampling)
+    stop = [_text(s, "--stop") for s in args.stop or []]  # worded as --prompt's error, not the API's
     export = LoadedExport(args.out, backend=args.backend, flavor=args.graphs)
     ids = _prompt_ids(export, args)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
-                     stop=args.stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param),
+                     stop=stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param),
                      adaptive=args.adaptive)
     room = export.manifest.max_context - len(ids)
     if args.max_new_tokens > room:  # the server refuses such a request (OpenAI's 400); a terminal user gets the text
@@ -153,14 +181,15 @@ def _chat_ids(export, user: str, system: str | None) -> list[int]:
     """A one-turn chat through the export's chat template, rendered as the server renders one: in a
     child process with a time and memory limit (a template is a program that came with the model;
     a runaway one was an out-of-memory kill here)."""
-    from .runtime.chat_template import ChatTemplate, chat_messages, encode_rendered
+    from .runtime.chat_template import chat_messages, encode_rendered, template_source
     from .serve.template_sandbox import TemplateSandbox
 
-    if ChatTemplate.from_tokenizer_dir(export.tokenizer.directory) is None:
+    if template_source(export.tokenizer.directory) is None:  # not compiled here: compiling runs its constants
         raise SpecDeployError("this export's tokenizer has no chat template (chat_template.jinja, chat_template.json "
                               "or tokenizer_config.json 'chat_template'); use --prompt")
     sandbox = TemplateSandbox(export.tokenizer.directory, processes=1, timeout=CHAT_TEMPLATE_TIMEOUT_S)
     try:
+        sandbox.check()
         return encode_rendered(export.tokenizer, sandbox.render(chat_messages(user, system)))
     finally:
         sandbox.close()
@@ -176,12 +205,17 @@ def cmd_check(args) -> int:
         from .runtime.manifest import load_manifest
 
         load_manifest(path, verify_checksums=False)
+    task_text = None
+    if args.task_text is not None:  # a bad file is reported now, not after minutes of graph checks
+        from .export.task_check import read_task_text
+
+        task_text = read_task_text(args.task_text, args.task_tokens)
     from .export.check import check_path, print_report
 
     results = check_path(path)
     print_report(results, every_output=args.all_outputs)
     failed = [r.graph for r in results if not r.passed]
-    task_failed = _task_check(args)
+    task_failed = _task_check(args, task_text)
     extra_failed = 0
     try:
         from .engines import lint
@@ -204,7 +238,7 @@ def cmd_check(args) -> int:
     return 1 if extra_failed else 0
 
 
-def _task_check(args) -> list[str]:
+def _task_check(args, text: str | None) -> list[str]:
     """Quantized exports (or --task): top-1 agreement and perplexity vs float32; the failed models."""
     path = Path(args.path)
     if not path.is_dir():
@@ -216,7 +250,7 @@ def _task_check(args) -> list[str]:
     if not manifest.quantization and not args.task:
         return []
     print(describe_text(args.task_tokens, args.task_text))
-    results = run_task_check(manifest, args.task_tokens, args.task_text)
+    results = run_task_check(manifest, args.task_tokens, text)
     if not results:
         print("task check: nothing to compare (no fused graphs)")
     for r in results:
@@ -226,7 +260,11 @@ def _task_check(args) -> list[str]:
 
 def cmd_engines(args) -> int:
     from .engines.builder import cli_engines
+    from .runtime.manifest import load_manifest
 
+    # Checked before the TensorRT skip: a wrong path is an error with or without TensorRT (the
+    # build verifies the checksums itself).
+    load_manifest(args.out, verify_checksums=False)
     return cli_engines(args)
 
 
@@ -355,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a line for every output (default: the KV outputs as their worst, unless one fails)")
     c.add_argument("--task", action="store_true", help="also run the task-level check of quantized weights "
                    "(top-1 agreement and perplexity vs float32; always on for quantized exports)")
-    c.add_argument("--task-tokens", type=int, default=512, help="tokens of held-out text the task check scores "
-                   "(default 512)")
+    c.add_argument("--task-tokens", type=_positive_int, default=512,
+                   help="tokens of held-out text the task check scores (default 512)")
     c.add_argument("--task-text", type=Path, help="text file for the task check (default: held-out stdlib source)")
     c.set_defaults(func=cmd_check)
 
@@ -366,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--rebuild", action="store_true", help="rebuild every engine, not only missing or stale ones")
     when.add_argument("--no-rebuild", action="store_true",
                       help="fail on a missing or stale engine instead of building it")
-    n.add_argument("--workspace-gb", type=float, help="TensorRT workspace memory limit in GiB (default: TensorRT's)")
+    n.add_argument("--workspace-gb", type=_workspace_gb,
+                   help="TensorRT workspace memory limit in GiB (default: TensorRT's)")
     n.add_argument("--timing-cache", type=Path, help="timing cache file to share across builds "
                    "(default: OUT/engines/timing.cache)")
     n.set_defaults(func=cmd_engines)

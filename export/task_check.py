@@ -85,9 +85,53 @@ def heldout_text(min_chars: int) -> str:
     return "\n".join(parts)
 
 
-def evaluation_ids(tokenizer, tokens: int, text_file: Path | None = None) -> list[int]:
-    text = Path(text_file).read_text(encoding="utf-8", errors="replace") if text_file else heldout_text(tokens * 8)
-    ids = tokenizer.encode(text)[:tokens]
+# What is read of a --task-text file: a token is a few bytes of text (BPE averages about 4), so
+# past this many bytes per token nothing more can be scored; the cap keeps a huge file (or a
+# wrong one) from being read whole.
+TEXT_BYTES_PER_TOKEN = 64
+MAX_TEXT_BYTES = 64 << 20
+
+
+def read_task_text(path: str | Path, tokens: int) -> str:
+    """The start of a --task-text file, as much as `tokens` tokens can use, as text; one clear error for
+    what is not a readable regular UTF-8 file. Opened without blocking and checked by its open handle:
+    a FIFO would block the open, and a device (/dev/urandom) never ends."""
+    import codecs
+    import os
+    import stat
+
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise SpecDeployError(f"--task-text {path}: no such file") from None
+    except OSError as exc:
+        raise SpecDeployError(f"--task-text {path}: cannot read it ({exc.strerror or exc})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise SpecDeployError(f"--task-text {path} is a directory; give a text file")
+        raise SpecDeployError(f"--task-text {path} is not a regular file (a pipe or a device); give a text file")
+    with os.fdopen(fd, "rb") as f:
+        limit = min(tokens * TEXT_BYTES_PER_TOKEN, MAX_TEXT_BYTES)
+        try:
+            data = f.read(limit)
+        except OSError as exc:
+            raise SpecDeployError(f"--task-text {path}: cannot read it ({exc.strerror or exc})") from None
+    try:  # not final at the cap: a character the cap cuts in two is dropped, not an error
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=len(data) < limit)
+    except UnicodeDecodeError as exc:
+        raise SpecDeployError(f"--task-text {path} is not UTF-8 text (byte {exc.start}: "
+                              f"0x{data[exc.start]:02x})") from None
+    if not text.strip():
+        raise SpecDeployError(f"--task-text {path} is empty")
+    return text
+
+
+def evaluation_ids(tokenizer, tokens: int, text: str | None = None) -> list[int]:
+    """The first `tokens` token ids of `text` (default: held-out standard-library source)."""
+    ids = tokenizer.encode(heldout_text(tokens * 8) if text is None else text)[:tokens]
     if len(ids) < 2:
         raise SpecDeployError(f"task check: the text has {len(ids)} tokens, at least 2 are needed")
     return ids
@@ -200,10 +244,11 @@ def _scheme_name(scheme: dict) -> str:
     return scheme.get("name") or f"int{scheme['bits']} (block {scheme['block_size']})"
 
 
-def run_task_check(manifest, tokens: int = DEFAULT_TOKENS, text_file: Path | None = None,
+def run_task_check(manifest, tokens: int = DEFAULT_TOKENS, text: str | None = None,
                    threads: int | None = None) -> list[TaskResult]:
     """One result per quantized model of the export; with nothing quantized, the float32 fused
-    target against its portable twin (none without fused graphs)."""
+    target against its portable twin (none without fused graphs). `text`: what to score (a
+    --task-text file's, read_task_text); default: held-out standard-library source."""
     from ..runtime.tokenizer import TextTokenizer
 
     models = list((manifest.quantization or {}).get("models", {})) or \
@@ -211,7 +256,7 @@ def run_task_check(manifest, tokens: int = DEFAULT_TOKENS, text_file: Path | Non
     if not models:
         return []
     tokenizer = TextTokenizer(manifest.root / manifest.tokenizer.get("dir", "tokenizer"))
-    ids = evaluation_ids(tokenizer, tokens, text_file)
+    ids = evaluation_ids(tokenizer, tokens, text)
     results = []
     for model in models:
         if manifest.graphs_of(DECODER, model, FUSED) and manifest.graphs_of(DECODER, model, PORTABLE):

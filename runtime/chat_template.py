@@ -31,11 +31,16 @@ class ChatTemplateError(SpecDeployError):
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, pass_context
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+        # No constant folding: Jinja evaluates constant expressions when it compiles, in the compiling
+        # process and outside any render's limits (`{{ "x" * 10**10 }}`: 24 GB before a render was asked
+        # for). optimized=False stops the optimizer's folding, a context-taking finalize the code
+        # generator's folding of output; both then run at render time, in the sandbox's child.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, optimized=False,
+                                            finalize=pass_context(_render_time),
                                             extensions=[loopcontrols, _generation_extension()])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
@@ -49,21 +54,14 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer_dir(cls, directory: str | Path) -> "ChatTemplate | None":
-        """The template of an export's (or HF model's) tokenizer dir; None if it has none."""
+        """The template of an export's (or HF model's) tokenizer dir, compiled; None if it has none.
+        Compiling runs the template's constant expressions (`{{ "x" * 10**10 }}` took 24 GB): a server
+        or CLI compiles an export's template only in serve/template_sandbox.py's child processes."""
         directory = Path(directory)
-        config = _json_file(directory / "tokenizer_config.json")
-        source = None
-        if (directory / "chat_template.jinja").is_file():
-            try:
-                source = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise SpecDeployError(f"chat_template.jinja in the tokenizer dir is not UTF-8 text: {exc}") from None
-        elif (directory / "chat_template.json").is_file():
-            source = _pick(_json_file(directory / "chat_template.json").get("chat_template"))
+        source = template_source(directory)
         if source is None:
-            source = _pick(config.get("chat_template"))
-        if not source:
             return None
+        config = _json_file(directory / "tokenizer_config.json")
         return cls(source, _special_tokens(config, _json_file(directory / "special_tokens_map.json")))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -77,6 +75,23 @@ class ChatTemplate:
         # ArithmeticError: `1/0`, or the sandbox's OverflowError for a range over its MAX_RANGE
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
             raise ChatTemplateError(f"could not render the chat template for these messages: {exc}") from None
+
+
+def template_source(directory: str | Path) -> str | None:
+    """The chat template's text in a tokenizer dir (not compiled: ChatTemplate.from_tokenizer_dir); None if it
+    has none."""
+    directory = Path(directory)
+    source = None
+    if (directory / "chat_template.jinja").is_file():
+        try:
+            source = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise SpecDeployError(f"chat_template.jinja in the tokenizer dir is not UTF-8 text: {exc}") from None
+    elif (directory / "chat_template.json").is_file():
+        source = _pick(_json_file(directory / "chat_template.json").get("chat_template"))
+    if source is None:
+        source = _pick(_json_file(directory / "tokenizer_config.json").get("chat_template"))
+    return source or None
 
 
 def chat_messages(user: str, system: str | None = None) -> list[dict]:
@@ -111,6 +126,11 @@ def _json_file(path: Path) -> dict:
     except ValueError as exc:  # malformed, not UTF-8, or nested past the parser's recursion limit
         raise SpecDeployError(f"{path.name} in the tokenizer dir is not valid JSON: {exc}") from None
     return data if isinstance(data, dict) else {}
+
+
+def _render_time(context, value):
+    """The identity, as a finalize that takes the render's context, so Jinja cannot fold output at compile time."""
+    return value
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numbers
 import time
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from .errors import SpecDeployError
 from .loaded_export import LoadedExport
 from .methods import build_drafter, resolve_method
 from .sampling import PositionNoise, SamplingParams, as_int, fresh_seed
-from .tokenizer import IncrementalDecoder
+from .tokenizer import IncrementalDecoder, check_text
 from .verify import Verdict, verify
 
 
@@ -43,10 +44,15 @@ class GenerationResult:
 
 def checked_ids(prompt_ids) -> list[int]:
     """A prompt's token ids as ints (numpy integers too: a tokenizer's return_tensors="np" output);
-    SpecDeployError for anything else (a float, a bool or a string is no token id)."""
-    if prompt_ids is None or isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+    SpecDeployError for anything else (a float, a bool or a string is no token id). A set or a dict
+    has no order a prompt could be read in, and an iterator (a generator) may never end: refused."""
+    if (prompt_ids is None or isinstance(prompt_ids, (str, bytes, Set, Mapping, Iterator))
+            or not hasattr(prompt_ids, "__iter__")):
         raise SpecDeployError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-    ids = list(prompt_ids)
+    try:
+        ids = list(prompt_ids)
+    except TypeError:  # a 0-d numpy array has __iter__ but is no sequence
+        raise SpecDeployError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}") from None
     if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
         raise SpecDeployError("prompt_ids must be integers")
     return [int(t) for t in ids]
@@ -57,10 +63,10 @@ def checked_stop(stop) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop]
+        stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise SpecDeployError("stop must be a string or a list of strings")
-    return list(stop)
+    return [check_text(s, "stop") for s in stop]  # a lone surrogate can never match the decoded text
 
 
 def checked_flag(value, name: str) -> bool:

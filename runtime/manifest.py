@@ -151,6 +151,10 @@ def parse_json(text: str):
 
 
 def _read(export_dir: str | Path) -> tuple[Path, Path, dict]:
+    # Every load of an export starts here (LoadedExport, Service.load, the CLI): None, a number or
+    # bytes is refused by name rather than by pathlib's TypeError.
+    if not isinstance(export_dir, (str, os.PathLike)) or not isinstance(os.fspath(export_dir), str):
+        raise SpecDeployError(f"the export path must be a path (str or os.PathLike), got {type(export_dir).__name__}")
     root = Path(export_dir)
     if not root.exists():
         raise SpecDeployError(f"export directory not found: {root}")

@@ -129,6 +129,8 @@ class Service:
         a thread is inside a `run` aborts when that thread returns: pybind11 takes the GIL back, Python
         ends the thread with pthread_exit, whose unwinding through C++ calls std::terminate).
         Safe to call more than once, from any thread."""
+        if timeout is not None:  # checked before anything closes: a bad call must not half-close the service
+            timeout = check_wait(timeout, "timeout")
         self.pool.close()
         with self._running_lock:
             running = list(self._running)

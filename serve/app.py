@@ -35,7 +35,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from ..runtime.aio import AsyncRequest
-from ..runtime.chat_template import ChatTemplate, ChatTemplateError, encode_rendered
+from ..runtime.chat_template import ChatTemplateError, encode_rendered, template_source
 from ..runtime.errors import SpecDeployError
 from ..runtime.methods import AUTO
 from ..runtime.pool import BusyError, PoolClosed
@@ -493,9 +493,14 @@ def create_app(service, model_name: str | None = None, limits: ServeLimits | Non
     manifest = service.meta.manifest
     name = model_name or Path(manifest.root).resolve().name
     tokenizer_dir = manifest.root / manifest.tokenizer.get("dir", "tokenizer")
-    has_template = ChatTemplate.from_tokenizer_dir(tokenizer_dir) is not None  # compiles it: fail at start-up
-    sandbox = (TemplateSandbox(tokenizer_dir, limits.template_processes, limits.template_timeout_s)
-               if has_template else None)
+    sandbox = None
+    if template_source(tokenizer_dir) is not None:  # compiled in a child, where a template runs: fail at start-up
+        sandbox = TemplateSandbox(tokenizer_dir, limits.template_processes, limits.template_timeout_s)
+        try:
+            sandbox.check()
+        except SpecDeployError:
+            sandbox.close()
+            raise
     metrics = Metrics(service)
     server = Server(service, name, sandbox, metrics, limits)
 

@@ -26,6 +26,7 @@ from ..runtime.errors import SpecDeployError
 
 MEMORY_LIMIT_BYTES = 1 << 30  # address space of one child: a normal render needs a few MB
 MAX_RENDERED_CHARS = 8 << 20  # far beyond any context; stops a template from flooding the pipe
+CHECK_TIMEOUT_S = 30.0  # at least this long for a child's start-up compile (`check`): Python and jinja2 load first
 
 
 class TemplateTimeout(SpecDeployError):
@@ -71,6 +72,22 @@ class TemplateSandbox:
             return answer["text"]
         error = TemplateFailure if answer.get("fault") else ChatTemplateError
         raise error(answer.get("error", "the chat template failed"))
+
+    def check(self) -> None:
+        """Compile the template in a child (at start-up: compiling runs its constant expressions, e.g.
+        `{{ "x" * 10**10 }}`); a SpecDeployError saying why where it does not compile within the child's
+        limits. A sandbox that failed its check renders nothing: its caller closes it."""
+        child = self._idle.get()
+        try:
+            answer = child.ask({"check": True}, time.monotonic() + max(self.timeout, CHECK_TIMEOUT_S))
+        except TemplateTimeout:
+            answer = {"error": f"the chat template took over {max(self.timeout, CHECK_TIMEOUT_S):g} s to compile"}
+        except TemplateFailure as exc:
+            answer = {"error": f"the chat template could not be compiled: {exc}"}
+        if "error" in answer:
+            child.kill()
+            raise SpecDeployError(answer["error"])
+        self._idle.put(child)
 
     def close(self) -> None:
         self._closed = True
@@ -136,11 +153,24 @@ def main(argv: list[str]) -> int:
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
     except (ImportError, ValueError, OSError):  # no limit where the OS cannot set one
         pass
-    template = ChatTemplate.from_tokenizer_dir(argv[0])
+    template, broken = None, None
+    try:  # compiling runs the template's constant expressions: here, under the memory limit
+        template = ChatTemplate.from_tokenizer_dir(argv[0])
+    except SpecDeployError as exc:
+        broken = {"error": str(exc)}
+    except MemoryError:
+        broken = {"error": "the chat template ran out of memory while compiling", "fault": True}
+    except RecursionError:
+        broken = {"error": "the chat template nests too deeply to compile", "fault": True}
     out = sys.stdout.buffer
     for line in sys.stdin.buffer:
         job = json.loads(line)
-        answer = {"error": "this model has no chat template"} if template is None else _answer(template, job)
+        if broken is not None:
+            answer = broken
+        elif template is None:
+            answer = {"error": "this model has no chat template"}
+        else:
+            answer = {"ok": True} if job.get("check") else _answer(template, job)
         out.write(json.dumps(answer, ensure_ascii=False).encode() + b"\n")
         out.flush()
     return 0

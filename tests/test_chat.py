@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import openai
@@ -134,6 +135,28 @@ def test_cli_chat_errors(micro_export):
     assert proc.returncode == 2 and "no chat template" in proc.stderr
     proc = run_cli("generate", micro_export, "--prompt", "hi", "--system", "be brief")
     assert proc.returncode == 2 and "--system goes with --chat" in proc.stderr
+
+
+def test_constant_expressions_are_not_evaluated_when_a_template_compiles(micro_export, tmp_path):
+    """Jinja folded constants when it compiled, in the CLI's and the server's own process: `"x" * 10**10`
+    took 24 GB before any render (the out-of-memory killer ended it). Now it compiles at once, and the
+    render, in the sandbox's child, is one clear error."""
+    from specdeploy.runtime.chat_template import ChatTemplate
+
+    t0 = time.monotonic()  # folded, these two took 2-3 s and 2 GB
+    ChatTemplate('{{ ("x" * 10**9) | length }}{{ "y" | center(10**9) | length }}')
+    assert time.monotonic() - t0 < 1
+    export = clone_export(micro_export, tmp_path / "bomb")
+    (export / "tokenizer" / "chat_template.jinja").write_text('{{ "x" * 10**10 }}{{ messages[0].content }}')
+    proc = run_cli("generate", export, "--chat", "hi", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: the chat template ran out of memory"], proc.stderr
+    (export / "tokenizer" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    for cmd in (["generate", export, "--chat", "hi"], ["serve", export, "--port", "0"]):
+        proc = run_cli(*cmd, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: the tokenizer's chat template does not compile"), lines
 
 
 def test_cli_chat_with_a_runaway_template_is_one_clear_error(micro_export, tmp_path):

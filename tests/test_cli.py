@@ -72,6 +72,16 @@ def test_check_export_dir_and_single_graph(micro_export):
     assert single.returncode == 0 and "draft_t1" in single.stdout
 
 
+def test_check_task_scores_a_given_text_file(micro_export, tmp_path):
+    """--task-text: what --task-tokens can use of the file is read up front and scored."""
+    text = tmp_path / "text.py"
+    text.write_text("def add(a, b):\n    return a + b\n" * 200, encoding="utf-8")
+    proc = run_cli("check", micro_export, "--task", "--task-text", text, "--task-tokens", "64")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"on {text}, up to 64 tokens" in proc.stdout, proc.stdout
+    assert re.search(r"^ok +target .*\[6[0-3] positions\]$", proc.stdout, re.M), proc.stdout
+
+
 def test_no_fused_export_runs_the_portable_graphs(micro_family, tmp_path):
     out = tmp_path / "portable"
     proc = run_cli("export", "--target", micro_family / "target", "--out", out, "--no-fused", "--no-check")

@@ -76,6 +76,27 @@ def test_check_reports_a_wrong_path_or_manifest_before_loading_torch(broken_copy
         assert_clean_error(proc, needle)
 
 
+def test_check_refuses_a_bad_task_text_before_the_graph_checks(micro_export, tmp_path):
+    """--task-text was read after the graph checks (15 s): a missing file or a directory was an internal
+    error then, /dev/urandom was read without end. One clear line, exit 2, before torch is imported."""
+    import os
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    code = ("import sys\nfrom specdeploy.cli import main\n"
+            "rc = main(['check', sys.argv[1], '--task', '--task-text', sys.argv[2]])\n"
+            "print('rc', rc, 'torch' in sys.modules)\nsys.exit(rc)\n")
+    for path, needle in ((tmp_path / "missing.txt", "no such file"), (tmp_path, "is a directory"),
+                         (tmp_path / "fifo", "not a regular file"), ("/dev/urandom", "not a regular file"),
+                         (tmp_path / "latin1.txt", "not UTF-8 text")):
+        proc = subprocess.run([sys.executable, "-c", code, str(micro_export), str(path)], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.stdout.strip() == "rc 2 False", (path, proc.stdout, proc.stderr)
+        assert_clean_error(proc, f"--task-text {path}", needle)
+
+
 def test_weights_checksum_mismatch(broken_copy):
     weights = broken_copy / "weights" / "target.bin"
     data = bytearray(weights.read_bytes())
@@ -200,6 +221,7 @@ def test_check_fails_on_tampered_reference(broken_copy):
     (["--prompt", "\udcff\udcfe bad"], "--prompt"),  # the bytes ff fe, as Python's argv holds them
     (["--chat", "hi \udcff"], "--chat"),
     (["--chat", "hi", "--system", "\udcc3"], "--system"),
+    (["--prompt", "x", "--stop", "ok", "--stop", "\udced\udca0\udc80"], "--stop"),  # a UTF-8-encoded surrogate
 ])
 def test_text_that_is_not_utf8(micro_export, flags, option):
     proc = run_cli("generate", micro_export, *flags, "--max-new-tokens", "4")

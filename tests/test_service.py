@@ -204,7 +204,10 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
                           (dict(timeout=float("inf")), "timeout must be a number of seconds from 0 to"),
                           (dict(timeout=1e10), "timeout must be a number of seconds from 0 to"),
                           (dict(ignore_eos="no"), "ignore_eos"),
-                          (dict(prompt=None, prompt_ids=5), "list of token ids")]:
+                          (dict(prompt=None, prompt_ids=5), "list of token ids"),
+                          (dict(prompt=None, prompt_ids={5: 1, 6: 2}), "list of token ids"),  # was its keys
+                          (dict(prompt=None, prompt_ids={5, 6}), "list of token ids"),
+                          (dict(stop="\ud800"), "stop is not valid UTF-8 text")]:
         with pytest.raises(SpecDeployError, match=match):
             svc.request(**{"prompt": "x", **kwargs})
     with pytest.raises(TypeError):  # the pool itself, interrupted in its wait, withdraws the ticket
@@ -307,6 +310,16 @@ def test_a_request_is_read_once_and_bad_arguments_are_one_error(export_dir):
     for bad in ([-1], [2**64], ["a"]):
         with pytest.raises(SpecDeployError):
             export.tokenizer.decode(bad)
+
+
+def test_close_refuses_a_bad_timeout_before_closing(export_dir):
+    """close(timeout=-1) or close(timeout="x") was taken; refused now, with the service still serving."""
+    svc = Service.load(export_dir, pool_size=1)
+    for timeout in (-1, "x", float("nan"), float("inf"), True):
+        with pytest.raises(SpecDeployError, match="timeout must be a number of seconds from 0 to"):
+            svc.close(timeout=timeout)
+    assert svc.generate("def f():", max_new_tokens=2, ignore_eos=True).finish_reason == "length"
+    assert svc.close(timeout=None) and svc.close(timeout=0)
 
 
 def test_a_batch_whose_cache_cannot_be_resident_is_refused(export_dir):

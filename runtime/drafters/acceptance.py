@@ -22,7 +22,6 @@ draws, so sampling stays exact.
 from __future__ import annotations
 
 from bisect import bisect_right
-
 from collections.abc import Sequence
 
 import numpy as np
