@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from ..runtime.errors import SpecDeployError
 
 CONNECTION_HEADROOM = 64  # requests in progress beyond the admitted generations: /v1/models, refusals
-MAX_TIMEOUT_S = 86400  # a day: past it a timeout is a typo, or no timeout at all
+MAX_TIMEOUT_S = 86400  # a day: past it a timeout is a typo, or meant as none (the template and tokenize
+#                         timeouts wait on threads, whose waits past time_t raise OverflowError)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class ServeLimits:
         for name in ("body_timeout_s", "header_timeout_s", "request_timeout_s", "template_timeout_s",
                      "tokenize_timeout_s"):
             value = getattr(self, name)
-            if value is not None and not 0 < value <= MAX_TIMEOUT_S:  # inf and 1e300 overflow the event loop's timers
+            if value is not None and not 0 < value <= MAX_TIMEOUT_S:  # 1e300: a thread's wait overflows (OverflowError)
                 raise SpecDeployError(f"{_option(name)} must be > 0 and at most {MAX_TIMEOUT_S} seconds, got {value!r}")
 
     def model_len(self, max_context: int) -> int:
