@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -16,6 +17,8 @@ from ..runtime.errors import SpecDeployError
 from .limits import CONNECTION_HEADROOM
 
 API_KEY_ENV = "SPECDEPLOY_API_KEY"
+# A browser's Origin header: scheme://host[:port], the host a name, an IPv4 address or a bracketed IPv6 one.
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")
 GRACEFUL_SHUTDOWN_S = 5.0  # uvicorn's wait for responses to end (aborted at once: only slow readers need it)
 WORKER_STOP_S = 30.0  # then for every worker to leave ONNX Runtime (cancelled: within one step)
 
@@ -82,6 +85,10 @@ def run_server(args) -> int:
     origins = [o.strip() for item in args.allowed_origins or [] for o in item.split(",") if o.strip()]
     if "*" in origins:
         raise SpecDeployError("--allowed-origins takes explicit origins (https://app.example.com), not '*'")
+    for origin in origins:  # a browser sends scheme://host[:port]: anything else would never match one
+        if not ORIGIN.fullmatch(origin):
+            raise SpecDeployError(f"--allowed-origins: {origin!r} is not a web origin (scheme://host[:port], "
+                                  "e.g. https://app.example.com, no path)")
     ray_only = getattr(args, "replicas", None) is not None or getattr(args, "autoscale", None)
     if ray_only and not getattr(args, "ray", False):
         raise SpecDeployError("--replicas and --autoscale are Ray Serve options: add --ray")

@@ -171,3 +171,19 @@ def test_an_empty_api_key_is_refused(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: --api-key is empty: give a key, or leave the option out to serve without one"], proc.stderr
+
+
+@pytest.mark.parametrize("origin", ["not a url", "https://app.example.com/path", "app.example.com", "https://"])
+def test_allowed_origins_are_web_origins(tmp_path, origin):
+    """An origin no browser can send (a path, no scheme) was accepted and then matched nothing."""
+    proc = run_cli("serve", tmp_path / "never-loaded", "--allowed-origins", origin, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "is not a web origin" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_web_origins_pass():
+    from specdeploy.serve.main import ORIGIN
+
+    for origin in ("https://app.example.com", "http://localhost:3000", "http://127.0.0.1:8080", "http://[::1]:5173",
+                   "chrome-extension://abcdef"):
+        assert ORIGIN.fullmatch(origin), origin
