@@ -154,14 +154,20 @@ def test_slow_body_times_out(limited_server):
     assert time.monotonic() - t0 < 5
 
 
-def test_slow_head_times_out(limited_server):
-    t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=10) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost")
+def _closing_answer(srv, request: bytes) -> tuple[bytes, bytes]:
+    """(head, body) of what the server answers `request` sent raw, read until it closes."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(request)
         answer = b""
-        while chunk := sock.recv(4096):  # then the server closes
+        while chunk := sock.recv(4096):
             answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_slow_head_times_out(limited_server):
+    t0 = time.monotonic()
+    head, body = _closing_answer(limited_server, b"GET /health HTTP/1.1\r\nHost")
     assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "request_timeout"
     assert 1.5 < time.monotonic() - t0 < 8
 
@@ -198,12 +204,7 @@ def test_oversized_headers_get_a_431_not_a_reset(limited_server, size):
 
 
 def test_malformed_request_gets_a_json_400(limited_server):
-    with socket.create_connection(("127.0.0.1", limited_server.port), timeout=10) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
-        answer = b""
-        while chunk := sock.recv(4096):  # then the server closes
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
+    head, body = _closing_answer(limited_server, b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http_request"
 
 
