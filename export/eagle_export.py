@@ -37,7 +37,7 @@ from ..runtime.graph_contract import (
 )
 from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from .eagle_fused import build_fused_eagle_head
-from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head
+from .eagle_heads import EagleHead, eagle3_feature_layers, load_eagle_head, read_head_config
 from .fused_graph import write_fused
 from .hf_loading import fused_unsupported
 from .method_export import MethodExport
@@ -135,6 +135,11 @@ class EagleHeadExporter(MethodExport):
         self.head_dir = self.source
         self.head: EagleHead | None = None
         self.feature_layers: tuple[int, ...] = ()
+
+    def check(self, target_cfg: dict, config, progress):
+        # a missing or mismatched head is reported before the target loads; its weights need the target
+        read_head_config(self.head_dir, target_cfg["vocab_size"])
+        return config
 
     def prepare(self, target_model, progress) -> tuple[int, ...]:
         progress(f"loading EAGLE head from {self.head_dir}")

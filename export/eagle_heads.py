@@ -260,10 +260,20 @@ def _check_shapes(head: EagleHead, weights: dict, head_dir: Path) -> None:
                                   f"{list(ref.shape)} ({hint})")
 
 
+def read_head_config(head_dir: Path, target_vocab: int) -> dict:
+    """A head dir's config.json, checked against the target's vocabulary: what can be checked from the
+    target's HF config alone, before the target model loads (seconds)."""
+    cfg = read_dir_config(head_dir, "config.json", "EAGLE head", ": not an EAGLE head directory")
+    if cfg.get("vocab_size") not in (None, target_vocab):
+        raise SpecDeployError(f"EAGLE head {head_dir}: vocab_size {cfg['vocab_size']} does not match the "
+                              f"target's vocab_size {target_vocab}")
+    return cfg
+
+
 def load_eagle_head(head_dir: Path, target_model, dtype: torch.dtype = torch.float32) -> EagleHead:
     """A published-layout head (EAGLE-1/2 or EAGLE-3) attached to `target_model`, checked for fit."""
     head_dir = Path(head_dir)
-    cfg = read_dir_config(head_dir, "config.json", "EAGLE head", ": not an EAGLE head directory")
+    cfg = read_head_config(head_dir, target_model.config.vocab_size)
     weights = read_weights(head_dir)
     version = detect_version(weights)
     tcfg = target_model.config
@@ -275,9 +285,6 @@ def load_eagle_head(head_dir: Path, target_model, dtype: torch.dtype = torch.flo
     if version == 1 and lcfg.hidden_size != t_hidden:
         raise SpecDeployError(f"EAGLE head {head_dir}: hidden_size {lcfg.hidden_size} does not match the "
                               f"target's hidden_size {t_hidden} (EAGLE-1/2 heads reuse its features and LM head)")
-    if cfg.get("vocab_size") not in (None, t_vocab):
-        raise SpecDeployError(f"EAGLE head {head_dir}: vocab_size {cfg['vocab_size']} does not match the "
-                              f"target's vocab_size {t_vocab}")
     if version == 3 and cfg.get("target_hidden_size") not in (None, t_hidden):
         raise SpecDeployError(f"EAGLE head {head_dir}: target_hidden_size {cfg['target_hidden_size']} does not "
                               f"match the target's hidden_size {t_hidden}")

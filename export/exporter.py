@@ -154,6 +154,9 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
             raise SpecDeployError("--tree chooses the Medusa tree: it needs --medusa DIR")
         overrides["medusa"] = {**overrides.get("medusa", {}), "tree": medusa_tree}
     sources = {"draft": draft, "eagle": eagle, "medusa": medusa}  # what MethodSpec.export_input names
+    for source, what in ((eagle, "EAGLE head"), (medusa, "Medusa heads")):  # before their exporters import torch
+        if source is not None and not Path(source).is_dir():  # and transformers (5 s), then load the target
+            raise SpecDeployError(f"{what} directory not found: {source}")
     methods = export_methods(overrides, sources)
     steps: dict[str, MethodExport] = {name: load_export_step(spec.export_step)(sources[spec.export_input])
                                       for name, spec in REGISTRY.items() if name in methods and spec.export_step}

@@ -446,6 +446,12 @@ def test_head_that_does_not_fit_the_target(micro_family, tmp_path):
     deep_head = _random_head(3, ROOT / "target4", tmp_path / "h3", "safetensors", seed=6, draft_vocab=200)
     proc = run_cli("export", "--target", micro_family / "target", "--eagle", deep_head, "--out", tmp_path / "x")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: EAGLE-3"), proc.stderr
+    # a missing head or one for another vocabulary: said before the target loads (6 s on SmolLM2)
+    (bad / "config.json").write_text(json.dumps({**wide, "vocab_size": 7}))
+    for head, said in ((tmp_path / "nowhere", "EAGLE head directory not found"), (bad, "vocab_size 7 does not match")):
+        proc = run_cli("export", "--target", micro_family / "target", "--eagle", head, "--out", tmp_path / "x")
+        assert proc.returncode == 2 and said in proc.stderr.strip().splitlines()[-1], proc.stderr
+        assert "loading target" not in proc.stdout, proc.stdout
 
 
 def test_runtime_errors(heads, micro_export):
