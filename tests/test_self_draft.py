@@ -293,8 +293,13 @@ def test_batched_rows_self_draft_on_their_own_slots_kv(self_draft):
     # drafts as many tokens per call as alone. The stop rule prices drafts by what its instance measured in
     # earlier requests (drafters/acceptance.py), and each batch row served its one request fresh: so does
     # each request here, on an instance of its own
-    alone_calls = [Service.load(self_draft, pool_size=1).generate(**job, method="draft").stats["target_calls"]
-                   for job in jobs]
+    alone_calls = []
+    for job in jobs:
+        fresh = Service.load(self_draft, pool_size=1)
+        try:
+            alone_calls.append(fresh.generate(**job, method="draft").stats["target_calls"])
+        finally:
+            fresh.close()
     assert [r.stats["target_calls"] for r in got] == alone_calls
 
 
