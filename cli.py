@@ -114,7 +114,7 @@ def cmd_generate(args) -> int:
     ids = _prompt_ids(export, args)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
                      stop=stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param),
-                     adaptive=args.adaptive)
+                     adaptive=args.adaptive, logprobs=args.logprobs)
     room = export.manifest.max_context - len(ids)
     if args.max_new_tokens > room:  # the server refuses such a request (OpenAI's 400); a terminal user gets the text
         print(f"note: the export's context ({export.manifest.max_context} tokens) leaves room for {room} new tokens "
@@ -127,6 +127,10 @@ def cmd_generate(args) -> int:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         s = gen.stats
+        if gen.logprobs is not None:  # a token's text, its log probability, then its alternatives'
+            show = lambda t: repr(export.tokenizer.token_bytes(t).decode("utf-8", "replace"))  # noqa: E731
+            print("", *(f"{show(lp.token_id)}\t{lp.logprob:.4f}\t" + "  ".join(f"{show(i)} {v:.4f}" for i, v in lp.top)
+                        for lp in gen.logprobs), sep="\n", file=sys.stderr)
         print(f"\n[{gen.method}] {s['new_tokens']} tokens, acceptance length {s['acceptance_length']:.2f}, "
               f"{s['tokens_per_s']:.1f} tokens/s ({s['finish_reason']})", file=sys.stderr)
     return 0
@@ -369,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=thread_count, help="ONNX Runtime threads (default: the physical cores)")
     g.add_argument("--graphs", default="auto", choices=["auto", "fused", "portable"],
                    help="decoder graphs on ort-cpu: fused (default where exported) or portable")
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="each token's log probability under the target and its N likeliest alternatives' (0-20): "
+                   "in --json, else on stderr after the text")
     g.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g.set_defaults(func=cmd_generate)
 

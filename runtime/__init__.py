@@ -7,7 +7,7 @@ The embedding API is importable from here; names load on first use so that impor
 _LAZY = {
     "Service": "service", "Request": "service", "BusyError": "pool", "ExportPool": "pool",
     "AsyncRequest": "aio", "LoadedExport": "loaded_export", "Generation": "generate", "GenerationResult": "generate",
-    "TokenEvent": "generate", "SamplingParams": "sampling", "SpecDeployError": "errors",
+    "TokenEvent": "generate", "TokenLogprob": "logprobs", "SamplingParams": "sampling", "SpecDeployError": "errors",
 }
 
 __all__ = list(_LAZY)

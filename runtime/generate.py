@@ -18,6 +18,7 @@ from .decoder import StepOutput
 from .drafters.base import DecodeState, Drafter, Proposal
 from .errors import SpecDeployError
 from .loaded_export import LoadedExport
+from .logprobs import TokenLogprob, checked_top, token_logprob
 from .methods import build_drafter, resolve_method
 from .sampling import PositionNoise, SamplingParams, as_int, fresh_seed
 from .tokenizer import IncrementalDecoder, check_text
@@ -28,6 +29,7 @@ from .verify import Verdict, verify
 class TokenEvent:
     token_id: int
     text: str  # text delta made safe to show (held back while it may be a stop-string prefix)
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs (none on a text-only tail)
 
 
 @dataclass
@@ -36,10 +38,14 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (eos or stop string), "length", "cancelled"
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "stats": self.stats}
+        if self.logprobs is not None:
+            out["logprobs"] = [lp.to_json() for lp in self.logprobs]
+        return out
 
 
 def checked_ids(prompt_ids) -> list[int]:
@@ -104,12 +110,13 @@ class Generation:
     `method_overrides` change the export's config of `method` for this request; `drafter`
     is one the caller built for `method` (tree tuning wraps one to observe it). `adaptive`
     decodes plainly while speculating is measured slower (runtime/adaptive.py); None: on,
-    unless the environment sets SPECDEPLOY_ADAPTIVE=0."""
+    unless the environment sets SPECDEPLOY_ADAPTIVE=0. `logprobs` N: each token's log probability
+    and its N likeliest alternatives' (runtime/logprobs.py); None: none."""
 
     def __init__(self, export: LoadedExport, prompt_ids: list[int], method: str = "ar",
                  params: SamplingParams | None = None, max_new_tokens: int = 64, stop: list[str] | None = None,
                  ignore_eos: bool = False, method_overrides: dict | None = None, drafter: Drafter | None = None,
-                 adaptive: bool | None = None):
+                 adaptive: bool | None = None, logprobs: int | None = None):
         if params is not None and not isinstance(params, SamplingParams):
             raise SpecDeployError(f"params must be a SamplingParams, got {type(params).__name__}")
         if method_overrides is not None and not isinstance(method_overrides, dict):
@@ -117,6 +124,7 @@ class Generation:
         self.params = params or SamplingParams()
         prompt_ids = checked_ids(prompt_ids)
         stop, ignore_eos = checked_stop(stop), checked_flag(ignore_eos, "ignore_eos")
+        self.top_logprobs = checked_top(logprobs)
         max_new_tokens = validate_request(export, prompt_ids, max_new_tokens)
         method = resolve_method(method, export)  # `auto`: the export's recommended method
         self.export, self.method, self.max_new = export, method, max_new_tokens
@@ -139,6 +147,7 @@ class Generation:
                                  noise=PositionNoise(seed) if scheme == "seeded" else None)
         self.prompt_len = len(prompt_ids)
         self.new_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if self.top_logprobs is None else []
         self.text, self._shown = "", 0
         self._detok = IncrementalDecoder(export.tokenizer)
         self.finish_reason: str | None = None
@@ -211,12 +220,15 @@ class Generation:
             if call is not proposal:  # the drafter reads its own node ids
                 verdict, out = in_proposal_order(verdict, out, order, proposal.size)
             drafter.update(state, proposal, verdict, out)
+            # token i of the step was chosen at row path[i] (the root's, then each accepted draft's)
+            rows = verdict.path if self.logprobs is not None else None
             if timed:  # the step's own work (the consumer's time between yields is not the step's);
                 # a step that verified the root alone (the drafter proposed nothing) is a plain one
                 policy.observe(proposal.size > 1, time.perf_counter() - td, len(accepted))
             self.stats["spec_steps" if speculate else "plain_steps"] += 1
-            for tok in accepted:
-                event = self._emit(tok)
+            for i, tok in enumerate(accepted):
+                event = self._emit(tok, None if rows is None else
+                                   token_logprob(out.logits[rows[i]], tok, self.top_logprobs or 0))
                 if event is not None:
                     yield event
                 if self.finish_reason is not None:
@@ -237,11 +249,13 @@ class Generation:
         if self._cancelled:
             raise _PrefillCancelled
 
-    def _emit(self, tok: int) -> TokenEvent | None:
+    def _emit(self, tok: int, logprob: TokenLogprob | None = None) -> TokenEvent | None:
         self.new_ids.append(tok)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
         if tok in self.eos:
             self.finish_reason = "stop"
-            return TokenEvent(tok, "")
+            return TokenEvent(tok, "", logprob)
         self.text += self._detok.push(tok)
         if self.stop:
             hits = [i for i in (self.text.find(s, max(0, self._shown - len(s))) for s in self.stop) if i >= 0]
@@ -250,7 +264,7 @@ class Generation:
                 self.finish_reason = "stop"
         if self.finish_reason is None and len(self.new_ids) >= self.max_new:
             self.finish_reason = "length"
-        return TokenEvent(tok, self._delta(final=self.finish_reason is not None))
+        return TokenEvent(tok, self._delta(final=self.finish_reason is not None), logprob)
 
     def _delta(self, final: bool) -> str:
         safe = len(self.text)
@@ -284,7 +298,8 @@ class Generation:
     def result(self) -> GenerationResult:
         for _ in self:
             pass
-        return GenerationResult(self.text, list(self.new_ids), self.finish_reason or "length", dict(self.stats))
+        return GenerationResult(self.text, list(self.new_ids), self.finish_reason or "length", dict(self.stats),
+                                None if self.logprobs is None else list(self.logprobs))
 
 
 def exact_rows_only(export: LoadedExport) -> bool:

@@ -35,6 +35,7 @@ from .generate import (
 )
 from .kv_cache import cache_bytes, require_memory
 from .loaded_export import LoadedExport
+from .logprobs import TokenLogprob, checked_top
 from .methods import AUTO, resolve_method
 from .pool import BusyError, ExportPool, PoolClosed, Ticket, check_wait
 from .sampling import SamplingParams, as_int
@@ -157,11 +158,13 @@ class Service:
                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 seed: int | None = None, stop: list[str] | str | None = None, ignore_eos: bool = False,
                 timeout: float | None = None, request_id: str | None = None,
-                sampling: str | None = None) -> "Request":
+                sampling: str | None = None, logprobs: int | None = None) -> "Request":
         """A validated request that has not started yet (SpecDeployError on bad input).
 
         `request_id` names it in logs and thread names (default: a random id). `sampling`
         ("seeded" or "rejection") picks how drafts are accepted when sampling; None: the method's default.
+        `logprobs` N (0-20): each token's log probability and its N likeliest alternatives'
+        (TokenEvent.logprob, GenerationResult.logprobs; runtime/logprobs.py); None: none.
         """
         if (prompt is None) == (prompt_ids is None):
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
@@ -172,6 +175,7 @@ class Service:
         if timeout is not None:
             timeout = check_wait(timeout, "timeout")
         ignore_eos = checked_flag(ignore_eos, "ignore_eos")
+        logprobs = checked_top(logprobs)
         if request_id is not None and not isinstance(request_id, str):
             raise SpecDeployError(f"request_id must be a string, got {type(request_id).__name__}")
         method = self.resolve(method)
@@ -179,7 +183,8 @@ class Service:
             raise SpecDeployError(self.method_message(method))
         params = SamplingParams(temperature, top_k, top_p, seed, sampling)
         max_new_tokens = validate_request(self.meta, ids, max_new_tokens)
-        return Request(self, ids, method, params, max_new_tokens, checked_stop(stop), ignore_eos, timeout, request_id)
+        return Request(self, ids, method, params, max_new_tokens, checked_stop(stop), ignore_eos, timeout, request_id,
+                       logprobs)
 
     def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> "Request":
         """A started request: it holds an instance until iterated to the end, cancelled or closed."""
@@ -241,11 +246,11 @@ class Request:
 
     def __init__(self, service: Service, prompt_ids: list[int], method: str, params: SamplingParams,
                  max_new_tokens: int, stop: list[str], ignore_eos: bool, timeout: float | None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, logprobs: int | None = None):
         self.id = request_id or uuid.uuid4().hex
         self.service, self.prompt_ids, self.method = service, prompt_ids, method
         self.params, self.max_new_tokens, self.stop, self.ignore_eos = params, max_new_tokens, stop, ignore_eos
-        self.timeout = timeout
+        self.timeout, self.top_logprobs = timeout, logprobs
         self._ticket = Ticket()
         self._lock = threading.Lock()
         self._export = None
@@ -281,7 +286,7 @@ class Request:
                 options = export.generation_options(self.method) if hasattr(export, "generation_options") else {}
                 self._gen = Generation(export, self.prompt_ids, method=self.method, params=self.params,
                                        max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                                       **options)
+                                       logprobs=self.top_logprobs, **options)
             except BaseException as exc:
                 self.error = exc
                 self._release()
@@ -356,7 +361,7 @@ class Request:
     def result(self) -> GenerationResult:
         for _ in self:
             pass
-        return GenerationResult(self.text, self.token_ids, self.finish_reason, self.stats)
+        return GenerationResult(self.text, self.token_ids, self.finish_reason, self.stats, self.logprobs)
 
     @property
     def cancelled(self) -> bool:
@@ -369,6 +374,13 @@ class Request:
     @property
     def token_ids(self) -> list[int]:
         return list(self._gen.new_ids) if self._gen is not None else []
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One per token id when the request asked for logprobs, else None."""
+        if self.top_logprobs is None:
+            return None
+        return list(self._gen.logprobs or []) if self._gen is not None else []
 
     @property
     def finish_reason(self) -> str:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 from .errors import SpecDeployError
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable bytes stand for themselves, the rest
+    (controls, space, 0x7f-0xa0, 0xad) for chars from U+0100 up, in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(0x100 + i): b for i, b in enumerate(extra)}}
 
 
 def check_text(text: str, what: str) -> str:
@@ -39,6 +52,9 @@ class TextTokenizer:
         except Exception as exc:
             raise SpecDeployError(f"tokenizer file {path} is corrupt: {str(exc)[:200]}") from None
         self.directory = Path(directory)
+        decoder = self.tok.decoder  # its state is its JSON, a Sequence's parts included
+        self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+        self._bytes: dict[int, bytes] = {}  # token_bytes, as they are asked for (at most the vocabulary)
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +78,30 @@ class TextTokenizer:
     def decode_ids(self, ids: list[int]) -> str:
         """decode() of ids a generation produced (the runtime's own: no checks, per streamed token)."""
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, alone (OpenAI's logprobs `bytes`: a token may hold part of
+        a UTF-8 character). Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) maps its alphabet back to
+        bytes; SentencePiece pieces read "<0xNN>" as a byte and "\u2581" as a space; a special token
+        is its own text; an id the tokenizer lacks (a model's padding rows) is no bytes."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._piece_bytes(token_id)
+        return raw
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            table = _byte_level_chars()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode("utf-8")  # an added token (<|im_end|>) is stored as its text
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
 
 
 class IncrementalDecoder:

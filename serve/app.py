@@ -265,7 +265,7 @@ class Server:
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
                     stop=stop_strings(body.stop, self.limits.max_stop, self.limits.max_stop_chars),
-                    ignore_eos=bool(body.ignore_eos), sampling=body.sampling)
+                    ignore_eos=bool(body.ignore_eos), sampling=body.sampling, logprobs=body.alternatives())
 
     # -- running --------------------------------------------------------------------
     async def handle(self, request: Request, chat: bool):
@@ -290,7 +290,7 @@ class Server:
             deadline.watch(run)
             if not await self._start(request, run, deadline):
                 return Response(status_code=499)
-            shape = Shape(chat, self.model_name)
+            shape = Shape(chat, self.model_name, self.service.tokenizer.token_bytes)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 cleanup = _Cleanup(run, deadline, admitted)
@@ -307,7 +307,8 @@ class Server:
             if deadline.expired:
                 raise deadline.error()
             req = run.request
-            return JSONResponse(shape.response(req.text, req.finish_reason, self.usage(req), public_stats(req.stats)))
+            return JSONResponse(shape.response(req.text, req.finish_reason, self.usage(req), public_stats(req.stats),
+                                               req.logprobs))
         except _Overrun as overrun:
             held, admitted = admitted, None
             deadline.stop()
@@ -360,8 +361,17 @@ class Server:
             try:
                 if shape.chat:
                     yield shape.chunk(None, role=True)
+                # a token's logprobs ride with the chunk that carries its text (held back while it may
+                # start a stop string); any left when the stream ends, in a chunk of their own
+                pending: list | None = None if req.top_logprobs is None else []
                 async for batch in run.batches():  # one write per batch of ready tokens
-                    pieces = [shape.chunk(event.text) for event in batch if event.text]
+                    pieces = []
+                    for event in batch:
+                        if pending is not None and event.logprob is not None:
+                            pending.append(event.logprob)
+                        if event.text:
+                            pieces.append(shape.chunk(event.text, logprobs=pending))
+                            pending = None if pending is None else []
                     if pieces:
                         if first:
                             self.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - arrived)
@@ -369,6 +379,8 @@ class Server:
                         yield "".join(pieces)
                 if deadline.expired:
                     raise deadline.error()
+                if pending:
+                    yield shape.chunk("", logprobs=pending)
                 yield shape.chunk(None, req.finish_reason)
                 if include_usage:
                     yield shape.usage_chunk(self.usage(req), public_stats(req.stats))

@@ -1,38 +1,80 @@
-"""Response and stream-chunk bodies in OpenAI's shapes (completions and chat completions)."""
+"""Response and stream-chunk bodies in OpenAI's shapes (completions and chat completions).
+
+Logprobs, when asked for, in each API's own shape: chat's `logprobs.content` (a token's text, its
+UTF-8 `bytes`, its log probability and `top_logprobs`), the legacy completions' parallel lists
+(`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, `text_offset`: where each token's
+text starts in the completion). A token's text is its bytes decoded alone: a token that holds
+part of a UTF-8 character shows U+FFFD there, its `bytes` exact.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
+
+from ..runtime.logprobs import TokenLogprob
 
 
 class Shape:
     """One response's id, timestamps and model; builds its full body and its stream chunks."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, token_bytes: Callable[[int], bytes] | None = None):
+        """`token_bytes`: the tokenizer's (TextTokenizer.token_bytes), for responses with logprobs."""
+        self.chat, self.model, self.token_bytes = chat, model, token_bytes
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._offset = 0  # completions' text_offset: characters of token text already listed
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def response(self, text: str, finish_reason: str, usage: dict, stats: dict) -> dict:
+    def response(self, text: str, finish_reason: str, usage: dict, stats: dict,
+                 logprobs: Sequence[TokenLogprob] | None = None) -> dict:
+        shown = self.logprobs(logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": shown,
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion", [choice], usage=usage, specdeploy=stats)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": shown, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage=usage, specdeploy=stats)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> str:
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: Sequence[TokenLogprob] | None = None) -> str:
+        """One stream chunk; `logprobs`: those of the tokens whose text it carries (None: not asked for)."""
+        shown = self.logprobs(logprobs)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
             return sse(self._envelope("chat.completion.chunk", [choice]))
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": shown, "finish_reason": finish_reason}
         return sse(self._envelope("text_completion", [choice]))
+
+    def logprobs(self, tokens: Sequence[TokenLogprob] | None) -> dict | None:
+        """The `logprobs` of a choice (or of a chunk's tokens, in order; a stream's offsets run on)."""
+        if tokens is None:
+            return None
+        assert self.token_bytes is not None, "a Shape that shows logprobs needs the tokenizer's token_bytes"
+
+        def text(token_id: int) -> tuple[str, bytes]:
+            raw = self.token_bytes(token_id)
+            return raw.decode("utf-8", errors="replace"), raw
+
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict:
+                token, raw = text(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(raw)}
+
+            return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                               for t in tokens], "refusal": None}
+        words, offsets = [], []
+        for t in tokens:
+            offsets.append(self._offset)
+            words.append(text(t.token_id)[0])
+            self._offset += len(words[-1])
+        return {"tokens": words, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{text(i)[0]: v for i, v in t.top} for t in tokens], "text_offset": offsets}
 
     def usage_chunk(self, usage: dict, stats: dict) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -2,13 +2,15 @@
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 when set to a
 non-default value rather than silently ignored (`unsupported()`): what changes the output
-(n, penalties, logit_bias, logprobs, echo, best_of, suffix) or asks for a capability the model
+(n, penalties, logit_bias, echo, best_of, suffix) or asks for a capability the model
 does not have here (tools and the legacy functions/function_call, response_format, audio
 output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself refuses it for
 a model that does not reason). Accepted and ignored, as they change nothing in the text
 generated: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
 `safety_identifier`, `parallel_tool_calls` (moot without tools) and `prediction` (a hint
 that only speeds up a matching output). Extensions: `method`, `top_k`, `ignore_eos`.
+`logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
+target's own log probabilities, whichever method drafted (runtime/logprobs.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..runtime.logprobs import MAX_TOP
 from ..runtime.tokenizer import bad_char
 from .errors import ApiError, bad_request
 
@@ -61,17 +64,24 @@ class _Common(BaseModel):
                 ("frequency_penalty", self.frequency_penalty not in (None, 0)),
                 ("logit_bias", bool(self.logit_bias))]
 
+    def alternatives(self) -> int | None:
+        """How many alternatives per token the response's logprobs list; None: no logprobs."""
+        return None
+
 
 class CompletionRequest(_Common):
     prompt: Any = Field(json_schema_extra={"anyOf": [  # a string, token ids, or a one-element list of either
         {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]})
     echo: Optional[bool] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)  # alternatives per token (OpenAI's legacy API: up to 5)
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
+    def alternatives(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self):
-        return super().unsupported() + [("echo", bool(self.echo)), ("logprobs", self.logprobs is not None),
+        return super().unsupported() + [("echo", bool(self.echo)),
                                         ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))]
 
 
@@ -91,7 +101,7 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
     tools: Optional[list] = None
     tool_choice: Any = None
     functions: Optional[list] = None  # OpenAI's deprecated form of tools
@@ -102,10 +112,12 @@ class ChatRequest(_Common):
     web_search_options: Any = None
     reasoning_effort: Any = None
 
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self):
         fmt = (self.response_format or {}).get("type", "text")
-        return super().unsupported() + [("logprobs", bool(self.logprobs)), ("top_logprobs", bool(self.top_logprobs)),
-                                        ("tools", bool(self.tools)),
+        return super().unsupported() + [("tools", bool(self.tools)),
                                         ("tool_choice", self.tool_choice not in (None, "none", "auto")),
                                         ("functions", bool(self.functions)),
                                         ("function_call", self.function_call not in (None, "none", "auto")),
@@ -126,7 +138,6 @@ SERVED_VALUES = {
     "echo": {"anyOf": [{"const": False}, _NULL]},
     "best_of": {"anyOf": [{"const": 1}, _NULL]},
     "suffix": {"anyOf": [{"const": ""}, _NULL]},
-    "top_logprobs": {"anyOf": [{"const": 0}, _NULL]},
     "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
     "tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, _NULL]},
     "functions": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
@@ -137,7 +148,6 @@ SERVED_VALUES = {
     "reasoning_effort": _NULL,
     "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, _NULL]},
 }
-SERVED_LOGPROBS = {CompletionRequest: _NULL, ChatRequest: {"anyOf": [{"const": False}, _NULL]}}
 
 
 def served_schema(model_cls: type[_Common]) -> dict:
@@ -147,7 +157,6 @@ def served_schema(model_cls: type[_Common]) -> dict:
     for name, allowed in SERVED_VALUES.items():
         if name in fields:
             fields[name] = allowed
-    fields["logprobs"] = SERVED_LOGPROBS[model_cls]
     return schema
 
 
@@ -219,6 +228,8 @@ def validate(model_cls: type[_Common], data: Any) -> _Common:
         if refused:
             raise bad_request(f"'{field}' is not supported by this server (value {getattr(body, field)!r})",
                               field, "unsupported_parameter")
+    if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return body
 
 

@@ -64,6 +64,20 @@ def test_streaming_text_to_stdout(micro_export):
     assert "acceptance length" in proc.stderr
 
 
+def test_generate_logprobs_in_json_and_on_stderr(micro_export):
+    args = ("--prompt", "def f(x):", "--max-new-tokens", "6", "--ignore-eos", "--logprobs", "2")
+    result = json.loads(run_cli("generate", micro_export, *args, "--json").stdout.splitlines()[-1])
+    assert [lp["token_id"] for lp in result["logprobs"]] == result["token_ids"]
+    assert all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in result["logprobs"])
+    shown = run_cli("generate", micro_export, *args)
+    assert shown.returncode == 0
+    rows = [line for line in shown.stderr.splitlines() if line.count("\t") == 2]
+    assert [float(r.split("\t")[1]) for r in rows] == [round(lp["logprob"], 4) for lp in result["logprobs"]]
+    bad = run_cli("generate", micro_export, "--prompt", "x", "--logprobs", "21")
+    assert bad.returncode != 0 and "logprobs must be an integer from 0 to 20" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_check_export_dir_and_single_graph(micro_export):
     proc = run_cli("check", micro_export)
     assert proc.returncode == 0, proc.stdout + proc.stderr

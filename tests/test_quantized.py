@@ -143,6 +143,26 @@ def test_every_method_equals_the_quantized_targets_ar(quantized):
     assert not _methods_differing_from_ar(export, methods)
 
 
+def test_every_method_reports_ars_logprobs_bit_for_bit(quantized):
+    """Every emitted token comes from a row computed as sequential decoding computes it (padded one-row
+    calls, exact chains), so its logprob and alternatives are ar's to the bit, greedy or seeded."""
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.sampling import SamplingParams
+
+    _, out, _ = quantized
+    export = LoadedExport(out)
+    for params in (SamplingParams(0.0), SamplingParams(0.9, seed=4, sampling="seeded")):
+        for prompt in PROMPTS:
+            ids = export.tokenizer.encode(prompt)
+            runs = {m: generate(export, ids, method=m, params=params, max_new_tokens=NEW, ignore_eos=True, logprobs=4)
+                    for m in export.methods}
+            want = runs.pop("ar")
+            assert want.logprobs is not None and len(want.logprobs) == len(want.token_ids) == NEW
+            for method, got in runs.items():
+                assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, (method, prompt, params)
+
+
 def test_auto_runs_prompt_lookup_on_a_quantized_target(quantized):
     """A quantized target's default method is prompt lookup alone (runtime/methods.py: the fused methods
     measured slower than it there), though the export serves the draft and heads too."""

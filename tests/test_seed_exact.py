@@ -104,3 +104,34 @@ def test_cli_generate_is_seed_exact(micro_all):
         assert r.returncode == 0, r.stderr
         out[method] = json.loads(r.stdout)["token_ids"]
     assert out["eagle"] == out["ar"] == out["draft"]
+
+
+def _logprobs(export, method, params, ids, overrides=None, top=3):
+    from specdeploy.runtime.generate import generate
+
+    r = generate(export, ids, method=method, params=params, max_new_tokens=NEW, ignore_eos=True,
+                 method_overrides=overrides, logprobs=top)
+    assert [lp.token_id for lp in r.logprobs] == r.token_ids
+    return r.token_ids, r.logprobs
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(0.8, top_k=20, seed=5, sampling="seeded")],
+                         ids=["greedy", "seeded"])
+def test_every_method_reports_the_targets_own_logprobs(micro_all, params):
+    """A token's logprob is read off the verify row that chose it, so every method reports ar's numbers
+    (within float32 ulps: a one-row call sums in another order than a call of several rows)."""
+    import numpy as np
+
+    ids = micro_all.tokenizer.encode(PROMPT)
+    want_ids, want = _logprobs(micro_all, "ar", params, ids)
+    if params.greedy:  # greedy picks the likeliest token: the first alternative
+        assert all(lp.top[0][0] == lp.token_id and lp.top[0][1] == lp.logprob for lp in want)
+    assert all(lp.logprob <= 0 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+               for lp in want)
+    for method, overrides in CASES:
+        got_ids, got = _logprobs(micro_all, method, params, ids, overrides)
+        assert got_ids == want_ids, (method, overrides)
+        assert np.allclose([lp.logprob for lp in got], [lp.logprob for lp in want], atol=1e-4, rtol=0), method
+        for g, w in zip(got, want):
+            assert [i for i, _ in g.top] == [i for i, _ in w.top], (method, overrides)
+            assert np.allclose([v for _, v in g.top], [v for _, v in w.top], atol=1e-4, rtol=0)

@@ -212,6 +212,52 @@ def test_streaming_concatenation_equals_non_streaming(server, client, options):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+@pytest.mark.parametrize("options", [
+    {"temperature": 0, "extra_body": {"method": "draft", "ignore_eos": True}},
+    {"temperature": 0.9, "seed": 5, "extra_body": {"method": "prompt-lookup", "ignore_eos": True}},
+])
+def test_logprobs_are_the_targets_in_both_apis_streamed_or_not(server, client, chat_export, options):
+    """Logprobs in OpenAI's shapes: the same numbers as the runtime's `ar` for the same seed, whichever
+    method drafted, streamed or not; each token's bytes are its piece of the text."""
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.sampling import SamplingParams
+
+    prompt, n = "Once upon a time", 24
+    export = LoadedExport(chat_export)
+    ar = generate(export, export.tokenizer.encode(prompt), method="ar", max_new_tokens=n, ignore_eos=True,
+                  params=SamplingParams(options["temperature"], seed=options.get("seed")), logprobs=3)
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=3, **options).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == full.text and lp.text_offset[0] == 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ar.logprobs], abs=1e-4)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=3, stream=True, **options)
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset  # offsets run on across chunks
+
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, logprobs=True,
+                                          top_logprobs=2, **options).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == n and all(len(t.top_logprobs) == 2 for t in content)
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8") == chat.message.content
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob and t.logprob <= t.top_logprobs[0].logprob
+               for t in content)
+    if not options["temperature"]:
+        assert all(t.token == t.top_logprobs[0].token and t.logprob == t.top_logprobs[0].logprob for t in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, logprobs=True,
+                                                 top_logprobs=2, stream=True, **options))
+    streamed_content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, t.bytes) for t in streamed_content] == [(t.token, t.logprob, t.bytes) for t in content]
+    # not asked for: none, as before
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **options).choices[0]
+    assert plain.logprobs is None
+
+
 def test_raw_sse_format(server):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
@@ -294,7 +340,10 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "sampling": "lucky"}, 400, "sampling", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2, "echo": True}, 400, "echo", "unsupported_parameter"),
     ({"model": MODEL, "prompt": "x", "method": "nope"}, 400, "method", "unknown_method"),
     ({"model": MODEL, "prompt": "x", "top_k": -3}, 400, "top_k", "invalid_value"),
     ({"model": MODEL, "prompt": 123}, 400, "prompt", "invalid_type"),
@@ -315,6 +364,12 @@ BAD_CHAT = [
      400, "tools", "unsupported_parameter"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      400, "max_completion_tokens", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 400, "logprobs",
+     "invalid_type"),
 ]
 
 

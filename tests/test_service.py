@@ -207,7 +207,9 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
                           (dict(prompt=None, prompt_ids=5), "list of token ids"),
                           (dict(prompt=None, prompt_ids={5: 1, 6: 2}), "list of token ids"),  # was its keys
                           (dict(prompt=None, prompt_ids={5, 6}), "list of token ids"),
-                          (dict(stop="\ud800"), "stop is not valid UTF-8 text")]:
+                          (dict(stop="\ud800"), "stop is not valid UTF-8 text"),
+                          (dict(logprobs=True), "logprobs must be an integer from 0 to 20"),
+                          (dict(logprobs=21), "logprobs must be an integer from 0 to 20")]:
         with pytest.raises(SpecDeployError, match=match):
             svc.request(**{"prompt": "x", **kwargs})
     with pytest.raises(TypeError):  # the pool itself, interrupted in its wait, withdraws the ticket
@@ -219,6 +221,11 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
     ids = svc.tokenizer.encode("def f():")
     want = svc.generate(prompt_ids=ids, max_new_tokens=3).token_ids
     assert svc.generate(prompt_ids=np.array(ids), max_new_tokens=3).token_ids == want  # numpy ids are ids
+    with svc.stream(prompt_ids=ids, max_new_tokens=3, logprobs=np.int64(2)) as req:  # each event its token's
+        events = [e for e in req if e.token_id >= 0]
+        assert [e.logprob.token_id for e in events] == want == [lp.token_id for lp in req.logprobs]
+        assert all(len(e.logprob.top) == 2 for e in events)
+    assert svc.generate(prompt_ids=ids, max_new_tokens=3).logprobs is None  # not asked for
 
 
 def test_numpy_numbers_are_taken_as_numbers(export_dir):
