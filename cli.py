@@ -105,6 +105,7 @@ def cmd_generate(args) -> int:
     from .runtime.backends import use_shared_threads
     from .runtime.generate import Generation
     from .runtime.loaded_export import LoadedExport
+    from .runtime.penalties import Penalties
     from .runtime.sampling import SamplingParams
 
     use_shared_threads(args.threads)
@@ -114,7 +115,8 @@ def cmd_generate(args) -> int:
     ids = _prompt_ids(export, args)
     gen = Generation(export, ids, method=args.method, params=params, max_new_tokens=args.max_new_tokens,
                      stop=stop, ignore_eos=args.ignore_eos, method_overrides=_method_params(args.param),
-                     adaptive=args.adaptive, logprobs=args.logprobs)
+                     adaptive=args.adaptive, logprobs=args.logprobs,
+                     penalties=Penalties(args.repetition_penalty, args.frequency_penalty, args.presence_penalty))
     room = export.manifest.max_context - len(ids)
     if args.max_new_tokens > room:  # the server refuses such a request (OpenAI's 400); a terminal user gets the text
         print(f"note: the export's context ({export.manifest.max_context} tokens) leaves room for {room} new tokens "
@@ -360,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling", choices=["seeded", "rejection"],
                    help="seeded: every method emits ar's tokens for a seed; rejection: recursive rejection "
                    "sampling (default: seeded, rejection for the draft model)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="HF transformers' repetition_penalty over prompt and output tokens (> 0; 1: none)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's frequency_penalty over output tokens (-2 to 2; 0: none)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's presence_penalty over output tokens (-2 to 2; 0: none)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,

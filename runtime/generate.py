@@ -20,6 +20,7 @@ from .errors import SpecDeployError
 from .loaded_export import LoadedExport
 from .logprobs import TokenLogprob, checked_top, token_logprob
 from .methods import build_drafter, resolve_method
+from .penalties import Penalties, PenaltyContext
 from .sampling import PositionNoise, SamplingParams, as_int, fresh_seed
 from .tokenizer import IncrementalDecoder, check_text
 from .verify import Verdict, verify
@@ -111,14 +112,17 @@ class Generation:
     is one the caller built for `method` (tree tuning wraps one to observe it). `adaptive`
     decodes plainly while speculating is measured slower (runtime/adaptive.py); None: on,
     unless the environment sets SPECDEPLOY_ADAPTIVE=0. `logprobs` N: each token's log probability
-    and its N likeliest alternatives' (runtime/logprobs.py); None: none."""
+    and its N likeliest alternatives' (runtime/logprobs.py); None: none. `penalties`: repetition,
+    frequency and presence penalties and logit biases (runtime/penalties.py); None: none."""
 
     def __init__(self, export: LoadedExport, prompt_ids: list[int], method: str = "ar",
                  params: SamplingParams | None = None, max_new_tokens: int = 64, stop: list[str] | None = None,
                  ignore_eos: bool = False, method_overrides: dict | None = None, drafter: Drafter | None = None,
-                 adaptive: bool | None = None, logprobs: int | None = None):
+                 adaptive: bool | None = None, logprobs: int | None = None, penalties: Penalties | None = None):
         if params is not None and not isinstance(params, SamplingParams):
             raise SpecDeployError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if penalties is not None and not isinstance(penalties, Penalties):
+            raise SpecDeployError(f"penalties must be a Penalties, got {type(penalties).__name__}")
         if method_overrides is not None and not isinstance(method_overrides, dict):
             raise SpecDeployError(f"method_overrides must be a dict, got {type(method_overrides).__name__}")
         self.params = params or SamplingParams()
@@ -146,6 +150,9 @@ class Generation:
         self.state = DecodeState(list(prompt_ids), self.params, np.random.default_rng(seed),
                                  noise=PositionNoise(seed) if scheme == "seeded" else None)
         self.prompt_len = len(prompt_ids)
+        if penalties is not None:
+            penalties.check_vocab(export.manifest.models["target"].vocab_size)
+        self.penalty = PenaltyContext(penalties, prompt_ids) if penalties is not None and penalties.active else None
         self.new_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None if self.top_logprobs is None else []
         self.text, self._shown = "", 0
@@ -212,9 +219,12 @@ class Generation:
             self.stats["verify_s"] += time.perf_counter() - tv
             self.stats["target_calls"] += 1
             verdict = verify(call.tree, call.tokens, out.logits, self.params, state.rng, call.draft_probs,
-                             state.noise, len(state.tokens) - 1, call.tree.chain_rows if self.exact_chain else None)
+                             state.noise, len(state.tokens) - 1, call.tree.chain_rows if self.exact_chain else None,
+                             None if self.penalty is None else self.penalty.apply)
             target.commit(out, verdict.path)
             accepted = [int(call.tokens[i]) for i in verdict.path[1:]] + [verdict.next_token]
+            if self.penalty is not None:
+                self.penalty.commit(accepted)
             self.stats["accepted_drafts"] += verdict.accepted_drafts
             state.tokens.extend(accepted)
             if call is not proposal:  # the drafter reads its own node ids

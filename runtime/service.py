@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from .kv_cache import cache_bytes, require_memory
 from .loaded_export import LoadedExport
 from .logprobs import TokenLogprob, checked_top
 from .methods import AUTO, resolve_method
+from .penalties import Penalties
 from .pool import BusyError, ExportPool, PoolClosed, Ticket, check_wait
 from .sampling import SamplingParams, as_int
 
@@ -158,13 +160,17 @@ class Service:
                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 seed: int | None = None, stop: list[str] | str | None = None, ignore_eos: bool = False,
                 timeout: float | None = None, request_id: str | None = None,
-                sampling: str | None = None, logprobs: int | None = None) -> "Request":
+                sampling: str | None = None, logprobs: int | None = None, repetition_penalty: float = 1.0,
+                frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                logit_bias: dict[int, float] | None = None) -> "Request":
         """A validated request that has not started yet (SpecDeployError on bad input).
 
         `request_id` names it in logs and thread names (default: a random id). `sampling`
         ("seeded" or "rejection") picks how drafts are accepted when sampling; None: the method's default.
         `logprobs` N (0-20): each token's log probability and its N likeliest alternatives'
         (TokenEvent.logprob, GenerationResult.logprobs; runtime/logprobs.py); None: none.
+        `repetition_penalty` (HF's), `frequency_penalty`, `presence_penalty` and `logit_bias` ({token id: bias},
+        OpenAI's): runtime/penalties.py.
         """
         if (prompt is None) == (prompt_ids is None):
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
@@ -182,9 +188,11 @@ class Service:
         if method not in self.methods:
             raise SpecDeployError(self.method_message(method))
         params = SamplingParams(temperature, top_k, top_p, seed, sampling)
+        penalties = Penalties(repetition_penalty, frequency_penalty, presence_penalty, _bias_items(logit_bias))
         max_new_tokens = validate_request(self.meta, ids, max_new_tokens)
+        penalties.check_vocab(self.meta.manifest.models["target"].vocab_size)
         return Request(self, ids, method, params, max_new_tokens, checked_stop(stop), ignore_eos, timeout, request_id,
-                       logprobs)
+                       logprobs, penalties if penalties.active else None)
 
     def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> "Request":
         """A started request: it holds an instance until iterated to the end, cancelled or closed."""
@@ -205,6 +213,13 @@ class Service:
         if method in self.unavailable:
             return f"method {method!r} is not available: {self.unavailable[method]}"
         return f"method {method!r} is not served by this export (available: {', '.join(self.methods)})"
+
+
+def _bias_items(bias) -> tuple:
+    """logit_bias as Penalties takes it: a mapping's items (Penalties checks them), or what was given."""
+    if bias is None:
+        return ()
+    return tuple(bias.items()) if isinstance(bias, Mapping) else bias
 
 
 def check_pool_memory(manifest, instances: int) -> None:
@@ -246,11 +261,11 @@ class Request:
 
     def __init__(self, service: Service, prompt_ids: list[int], method: str, params: SamplingParams,
                  max_new_tokens: int, stop: list[str], ignore_eos: bool, timeout: float | None,
-                 request_id: str | None = None, logprobs: int | None = None):
+                 request_id: str | None = None, logprobs: int | None = None, penalties: Penalties | None = None):
         self.id = request_id or uuid.uuid4().hex
         self.service, self.prompt_ids, self.method = service, prompt_ids, method
         self.params, self.max_new_tokens, self.stop, self.ignore_eos = params, max_new_tokens, stop, ignore_eos
-        self.timeout, self.top_logprobs = timeout, logprobs
+        self.timeout, self.top_logprobs, self.penalties = timeout, logprobs, penalties
         self._ticket = Ticket()
         self._lock = threading.Lock()
         self._export = None
@@ -286,7 +301,7 @@ class Request:
                 options = export.generation_options(self.method) if hasattr(export, "generation_options") else {}
                 self._gen = Generation(export, self.prompt_ids, method=self.method, params=self.params,
                                        max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                                       logprobs=self.top_logprobs, **options)
+                                       logprobs=self.top_logprobs, penalties=self.penalties, **options)
             except BaseException as exc:
                 self.error = exc
                 self._release()

@@ -21,6 +21,11 @@ distributed exactly as the target's own sampling distribution:
 When every child is rejected, or the node is a leaf, the next token is drawn
 from the current (residual) p: the bonus token.
 
+`penalize(row, path)`: the logits a node's choice is made from, given the tokens accepted on
+the way to it (runtime/penalties.py: repetition, frequency and presence penalties); None: the
+target's own. Every walk below reads a node only once its path is accepted, so that path is
+the row's whole context past the committed tokens.
+
 `exact_rows` k: only rows 0..k-1 (the tree's leading chain) are trusted to equal
 sequential decoding bit for bit. A row whose ancestors are not one contiguous run
 from the root is computed with a different summation order (masked columns between
@@ -32,6 +37,7 @@ exact row; the distribution of each token is unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,13 +56,23 @@ class Verdict:
         return len(self.path) - 1
 
 
+Penalize = Callable[[np.ndarray, list[int]], np.ndarray]
+
+
+def _rows(logits: np.ndarray, tokens: np.ndarray, penalize: Penalize | None):
+    """node, path -> the logits that node's choice is made from (module docstring: `penalize`)."""
+    if penalize is None:
+        return lambda node, path: logits[node]
+    return lambda node, path: penalize(logits[node], [int(tokens[c]) for c in path[1:]])
+
+
 def _follow(tree: Tree, tokens: np.ndarray, target_token, exact_rows: int | None) -> Verdict:
     """Accept the child whose token is the target's own choice at its parent, while there is one
-    (and its row is exact: see the module docstring)."""
+    (and its row is exact: see the module docstring). `target_token(node, path)`."""
     node, path = 0, [0]
     last = tree.size if exact_rows is None else exact_rows
     while True:
-        want = target_token(node)
+        want = target_token(node, path)
         nxt = next((c for c in tree.children[node] if tokens[c] == want), None)
         if nxt is None or nxt >= last:
             return Verdict(path, want)
@@ -64,16 +80,20 @@ def _follow(tree: Tree, tokens: np.ndarray, target_token, exact_rows: int | None
         path.append(node)
 
 
-def verify_greedy(tree: Tree, tokens: np.ndarray, logits: np.ndarray, exact_rows: int | None = None) -> Verdict:
-    return _follow(tree, tokens, lambda node: int(np.argmax(logits[node])), exact_rows)
+def verify_greedy(tree: Tree, tokens: np.ndarray, logits: np.ndarray, exact_rows: int | None = None,
+                  penalize: Penalize | None = None) -> Verdict:
+    row = _rows(logits, tokens, penalize)
+    return _follow(tree, tokens, lambda node, path: int(np.argmax(row(node, path))), exact_rows)
 
 
 def verify_seeded(tree: Tree, tokens: np.ndarray, logits: np.ndarray, params: SamplingParams,
-                  noise: PositionNoise, root: int, exact_rows: int | None = None) -> Verdict:
+                  noise: PositionNoise, root: int, exact_rows: int | None = None,
+                  penalize: Penalize | None = None) -> Verdict:
     """`root`: the root's absolute sequence index (the committed length minus one)."""
     noise.release(root + 1)  # committed indices: drafts and verification only read later ones
-    depth = tree.depth
-    return _follow(tree, tokens, lambda node: noise.sample(params.probs(logits[node]), root + 1 + int(depth[node])),
+    depth, row = tree.depth, _rows(logits, tokens, penalize)
+    return _follow(tree, tokens,
+                   lambda node, path: noise.sample(params.probs(row(node, path)), root + 1 + int(depth[node])),
                    exact_rows)
 
 
@@ -85,12 +105,14 @@ def verify_sampling(
     rng: np.random.Generator,
     draft_probs: np.ndarray | None = None,
     exact_rows: int | None = None,
+    penalize: Penalize | None = None,
 ) -> Verdict:
     """`draft_probs[c]` is the distribution child c's token was drawn from (None: deterministic drafts)."""
     node, path = 0, [0]
     last = tree.size if exact_rows is None else exact_rows
+    row = _rows(logits, tokens, penalize)
     while True:
-        p = params.probs(logits[node])
+        p = params.probs(row(node, path))
         advanced = False
         for child in tree.children[node]:
             x = int(tokens[child])
@@ -111,7 +133,7 @@ def verify_sampling(
                 p = np.maximum(p - draft_probs[child], 0.0)
             total = p.sum()
             if total <= 0:  # p was covered by q exactly; cannot happen with a real rejection
-                p = params.probs(logits[node])
+                p = params.probs(row(node, path))
                 break
             p /= total
         if not advanced:
@@ -119,10 +141,11 @@ def verify_sampling(
 
 
 def verify(tree, tokens, logits, params: SamplingParams, rng, draft_probs=None,
-           noise: PositionNoise | None = None, root: int = 0, exact_rows: int | None = None) -> Verdict:
+           noise: PositionNoise | None = None, root: int = 0, exact_rows: int | None = None,
+           penalize: Penalize | None = None) -> Verdict:
     """Greedy, else seeded when given the request's noise (draft_probs unused), else rejection sampling."""
     if params.greedy:
-        return verify_greedy(tree, tokens, logits, exact_rows)
+        return verify_greedy(tree, tokens, logits, exact_rows, penalize)
     if noise is not None:
-        return verify_seeded(tree, tokens, logits, params, noise, root, exact_rows)
-    return verify_sampling(tree, tokens, logits, params, rng, draft_probs, exact_rows)
+        return verify_seeded(tree, tokens, logits, params, noise, root, exact_rows, penalize)
+    return verify_sampling(tree, tokens, logits, params, rng, draft_probs, exact_rows, penalize)

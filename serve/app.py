@@ -57,7 +57,15 @@ from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE, Shape, public_stats, sse, usage
 from .ray_failover import PROXY_BODY_KEY
-from .schemas import ChatRequest, CompletionRequest, parse_json, served_schema, stop_strings, validate
+from .schemas import (
+    ChatRequest,
+    CompletionRequest,
+    parse_json,
+    served_schema,
+    stop_strings,
+    token_biases,
+    validate,
+)
 from .security import AccessGuardMiddleware, ConnectionLimitMiddleware, RequestIdMiddleware
 from .template_sandbox import TemplateFailure, TemplateSandbox, TemplateTimeout
 
@@ -265,7 +273,10 @@ class Server:
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
                     stop=stop_strings(body.stop, self.limits.max_stop, self.limits.max_stop_chars),
-                    ignore_eos=bool(body.ignore_eos), sampling=body.sampling, logprobs=body.alternatives())
+                    ignore_eos=bool(body.ignore_eos), sampling=body.sampling, logprobs=body.alternatives(),
+                    repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                    frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                    logit_bias=token_biases(body.logit_bias, svc.meta.manifest.models["target"].vocab_size))
 
     # -- running --------------------------------------------------------------------
     async def handle(self, request: Request, chat: bool):

@@ -2,13 +2,15 @@
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 when set to a
 non-default value rather than silently ignored (`unsupported()`): what changes the output
-(n, penalties, logit_bias, echo, best_of, suffix) or asks for a capability the model
+(n, echo, best_of, suffix) or asks for a capability the model
 does not have here (tools and the legacy functions/function_call, response_format, audio
 output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself refuses it for
 a model that does not reason). Accepted and ignored, as they change nothing in the text
 generated: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
 `safety_identifier`, `parallel_tool_calls` (moot without tools) and `prediction` (a hint
-that only speeds up a matching output). Extensions: `method`, `top_k`, `ignore_eos`.
+that only speeds up a matching output). Extensions: `method`, `top_k`, `ignore_eos`, `sampling`,
+`repetition_penalty` (HF's, as vLLM takes it); `frequency_penalty`, `presence_penalty` and
+`logit_bias` are OpenAI's (runtime/penalties.py).
 `logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
 target's own log probabilities, whichever method drafted (runtime/logprobs.py).
 """
@@ -22,6 +24,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..runtime.logprobs import MAX_TOP
+from ..runtime.penalties import MAX_BIASES
 from ..runtime.tokenizer import bad_char
 from .errors import ApiError, bad_request
 
@@ -54,15 +57,13 @@ class _Common(BaseModel):
     # specdeploy extensions (the openai client sends them with extra_body=...)
     method: Optional[str] = None
     top_k: Optional[int] = Field(None, ge=0)
+    repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     ignore_eos: Optional[bool] = None
     sampling: Optional[Literal["seeded", "rejection"]] = None  # how drafts are accepted; None: the method's default
 
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, is set to something this server cannot do)."""
-        return [("n", self.n not in (None, 1)),
-                ("presence_penalty", self.presence_penalty not in (None, 0)),
-                ("frequency_penalty", self.frequency_penalty not in (None, 0)),
-                ("logit_bias", bool(self.logit_bias))]
+        return [("n", self.n not in (None, 1))]
 
     def alternatives(self) -> int | None:
         """How many alternatives per token the response's logprobs list; None: no logprobs."""
@@ -132,9 +133,8 @@ class ChatRequest(_Common):
 _NULL = {"type": "null"}
 SERVED_VALUES = {
     "n": {"anyOf": [{"const": 1}, _NULL]},
-    "presence_penalty": {"anyOf": [{"const": 0}, _NULL]},
-    "frequency_penalty": {"anyOf": [{"const": 0}, _NULL]},
-    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
+    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": MAX_BIASES, "propertyNames": {"pattern": "^[0-9]+$"},
+                              "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, _NULL]},
     "echo": {"anyOf": [{"const": False}, _NULL]},
     "best_of": {"anyOf": [{"const": 1}, _NULL]},
     "suffix": {"anyOf": [{"const": ""}, _NULL]},
@@ -231,6 +231,24 @@ def validate(model_cls: type[_Common], data: Any) -> _Common:
     if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return body
+
+
+def token_biases(bias: dict | None, vocab: int) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": -100..100}) as {id: bias}, each entry checked here (400 naming it)."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_BIASES:
+        raise bad_request(f"'logit_bias' has {len(bias)} entries; at most {MAX_BIASES} are allowed", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit() or int(key) >= vocab:
+            raise bad_request(f"invalid 'logit_bias': {key[:40]!r} is not a token id of this model (0 to {vocab - 1})",
+                              "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"invalid 'logit_bias': the bias of token {key} must be a number from -100 to 100 "
+                              f"(got {str(value)[:40]})", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def stop_strings(stop: Any, max_count: int, max_chars: int) -> list[str]:

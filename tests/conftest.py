@@ -145,14 +145,15 @@ def assert_manifest_edits_refused(out: Path, section: str, cases, tmp_path: Path
         shutil.rmtree(copy)
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Plain Hugging Face greedy decoding, EOS ignored: the reference every method must equal."""
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """Plain Hugging Face greedy decoding, EOS ignored: the reference every method must equal.
+    `generate_kwargs`: more of generate()'s (repetition_penalty, logits_processor)."""
     import torch
 
     model = _hf_model(str(model_dir))
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
+                             do_sample=False, pad_token_id=0, eos_token_id=None, **generate_kwargs)
     return out[0, len(prompt_ids):].tolist()
 
 

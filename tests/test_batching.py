@@ -147,7 +147,9 @@ JOBS = [dict(prompt="Once upon a time", method="ar"),
         dict(prompt="Hello", method="draft", sampling="seeded", temperature=0.7, seed=5),
         dict(prompt="the cat sat on the mat", method="lookahead"),
         dict(prompt="Once upon a time there was", method="ar", temperature=1.0, seed=11, stop=["e"]),
-        dict(prompt="the dog ran and the dog ran and the", method="draft+suffix", temperature=0.9, seed=7)]
+        dict(prompt="the dog ran and the dog ran and the", method="draft+suffix", temperature=0.9, seed=7),
+        dict(prompt="the cat sat on the mat and the cat", method="prompt-lookup", repetition_penalty=1.3),
+        dict(prompt="a b c d a b c d", method="draft", frequency_penalty=0.8, presence_penalty=0.4)]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +168,7 @@ def test_concurrent_mixed_requests_equal_their_batch1_output(services):
     def run(i):
         got[i] = batched.generate(**jobs[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]  # 6 requests on 3 rows
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]  # 9 requests on 3 rows
     for t in threads:
         t.start()
     for t in threads:

@@ -37,6 +37,46 @@ def micro_portable(micro_export):
     return LoadedExport(micro_export, flavor="portable")
 
 
+def _openai_penalties(frequency: float, presence: float, prompt_len: int):
+    """OpenAI's frequency and presence penalties as an HF logits processor (transformers has none):
+    over the output tokens so far, not the prompt's."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class Penalize(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            out = input_ids[0, prompt_len:]
+            if len(out):
+                ids, counts = torch.unique(out, return_counts=True)
+                scores[0, ids] -= frequency * counts.to(scores.dtype) + presence
+            return scores
+
+    return Penalize()
+
+
+@pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup", "lookahead"])
+def test_penalties_match_hf(micro, micro_family, method):
+    """Repetition (HF's own processor) and frequency / presence penalties (OpenAI's) choose each token as
+    HF's greedy decoding with them does, whichever method drafts; and they change the output."""
+    from transformers import LogitsProcessorList
+
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.penalties import Penalties
+
+    changed = 0
+    for prompt in PROMPTS[:6]:
+        ids = micro.tokenizer.encode(prompt)
+        plain = generate(micro, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
+        rep = generate(micro, ids, method=method, max_new_tokens=NEW, ignore_eos=True, penalties=Penalties(1.3))
+        assert rep.token_ids == hf_greedy(micro_family / "target", ids, NEW, repetition_penalty=1.3), prompt
+        freq = generate(micro, ids, method=method, max_new_tokens=NEW, ignore_eos=True,
+                        penalties=Penalties(frequency=0.7, presence=0.4))
+        processors = LogitsProcessorList([_openai_penalties(0.7, 0.4, len(ids))])
+        assert freq.token_ids == hf_greedy(micro_family / "target", ids, NEW, logits_processor=processors), prompt
+        changed += (rep.token_ids != plain) + (freq.token_ids != plain)
+    assert changed >= 6  # the micro family loops: penalties must move it
+
+
 @pytest.mark.parametrize("graphs", ["fused", "portable"])
 @pytest.mark.parametrize("method", ["ar", "draft", "prompt-lookup"])
 def test_micro_family_matches_hf_greedy(micro, micro_portable, micro_family, method, graphs):

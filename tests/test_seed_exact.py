@@ -135,3 +135,27 @@ def test_every_method_reports_the_targets_own_logprobs(micro_all, params):
         for g, w in zip(got, want):
             assert [i for i, _ in g.top] == [i for i, _ in w.top], (method, overrides)
             assert np.allclose([v for _, v in g.top], [v for _, v in w.top], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kw", PARAMS, ids=["T0.7-topk20", "T1.0-topp0.9"])
+def test_penalized_sampling_emits_ars_tokens_for_every_method(micro_all, kw):
+    """Penalties (runtime/penalties.py) shape each verify row's distribution by the tokens before it, the
+    accepted drafts on its path included, so seeded sampling with them still emits ar's tokens."""
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.penalties import Penalties
+
+    ids = micro_all.tokenizer.encode(PROMPT)
+    greedy = generate(micro_all, ids, method="ar", max_new_tokens=NEW, ignore_eos=True).token_ids
+    banned = Penalties(logit_bias={t: -100 for t in greedy[:3]} | {greedy[4]: 5})  # OpenAI's logit_bias
+    moved = 0
+    for seed in range(8):
+        for penalties in (Penalties(1.4), Penalties(1.1, frequency=0.8, presence=0.5), banned):
+            params = SamplingParams(**kw, seed=seed, sampling="seeded")
+            run = lambda method, overrides=None, pen=penalties: generate(  # noqa: E731
+                micro_all, ids, method=method, params=params, max_new_tokens=NEW, ignore_eos=True,
+                method_overrides=overrides, penalties=pen).token_ids
+            want = run("ar")
+            moved += want != run("ar", pen=None)
+            for method, overrides in CASES:
+                assert run(method, overrides) == want, (method, overrides, seed, penalties)
+    assert moved >= 6  # the penalties changed what was sampled

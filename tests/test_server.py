@@ -258,6 +258,31 @@ def test_logprobs_are_the_targets_in_both_apis_streamed_or_not(server, client, c
     assert plain.logprobs is None
 
 
+def test_penalties_are_served_as_the_runtime_applies_them(server, client, chat_export):
+    """OpenAI's frequency and presence penalties and logit_bias, and the repetition_penalty extension: the
+    runtime's tokens for the same settings, whichever method drafts (they were a 400 before)."""
+    from specdeploy.runtime.generate import generate
+    from specdeploy.runtime.loaded_export import LoadedExport
+    from specdeploy.runtime.penalties import Penalties
+
+    prompt, n = "Once upon a time", 32
+    export = LoadedExport(chat_export)
+    ids = export.tokenizer.encode(prompt)
+    plain = generate(export, ids, method="ar", max_new_tokens=n, ignore_eos=True).token_ids
+    banned = {plain[0]: -100.0, plain[1]: -100.0}
+    cases = [(Penalties(1.3), {"extra_body": {"repetition_penalty": 1.3}}),
+             (Penalties(frequency=0.9, presence=0.6), {"frequency_penalty": 0.9, "presence_penalty": 0.6}),
+             (Penalties(logit_bias=banned), {"logit_bias": {str(t): b for t, b in banned.items()}})]
+    for penalties, body in cases:
+        want = generate(export, ids, method="ar", max_new_tokens=n, ignore_eos=True, penalties=penalties).text
+        assert want != generate(export, ids, method="ar", max_new_tokens=n, ignore_eos=True).text
+        for method in ("ar", "prompt-lookup", "draft"):
+            extra = {**body.get("extra_body", {}), "method": method, "ignore_eos": True}
+            got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                            **{k: v for k, v in body.items() if k != "extra_body"}, extra_body=extra)
+            assert got.choices[0].text == want, (method, penalties)
+
+
 def test_raw_sse_format(server):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
@@ -340,6 +365,16 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "sampling": "lucky"}, 400, "sampling", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": "high"}, 400, "presence_penalty", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias",
+     "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs", "invalid_type"),
