@@ -147,12 +147,13 @@ class Generation:
         seed = fresh_seed() if self.params.seed is None else self.params.seed
         scheme = "greedy" if self.params.greedy else (
             self.params.sampling or getattr(self.drafter, "default_sampling", "seeded"))
-        self.state = DecodeState(list(prompt_ids), self.params, np.random.default_rng(seed),
-                                 noise=PositionNoise(seed) if scheme == "seeded" else None)
-        self.prompt_len = len(prompt_ids)
         if penalties is not None:
             penalties.check_vocab(export.manifest.models["target"].vocab_size)
         self.penalty = PenaltyContext(penalties, prompt_ids) if penalties is not None and penalties.active else None
+        self.state = DecodeState(list(prompt_ids), self.params, np.random.default_rng(seed),
+                                 noise=PositionNoise(seed) if scheme == "seeded" else None,
+                                 penalize=None if self.penalty is None else self.penalty.apply)
+        self.prompt_len = len(prompt_ids)
         self.new_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None if self.top_logprobs is None else []
         self.text, self._shown = "", 0

@@ -98,10 +98,14 @@ class PenaltyContext:
         self.counts.update(tokens)
 
     def apply(self, logits: np.ndarray, path: list[int]) -> np.ndarray:
+        """The target's logits are the vocabulary; a draft model's may be fewer (a draft whose embedding is
+        padded differently, export/draft_vocab.py): ids past its row are skipped there."""
         pen = self.penalties
         out = np.array(logits, dtype=np.float32)  # a copy: the verify rows stay as the target gave them
+        vocab = len(out)
         if pen.repetition != 1.0:
             ids = np.fromiter(self.seen.union(path), np.int64)
+            ids = ids[ids < vocab]
             x = out[ids]
             out[ids] = np.where(x > 0, x / np.float32(pen.repetition), x * np.float32(pen.repetition))
         if pen.frequency or pen.presence:
@@ -109,7 +113,9 @@ class PenaltyContext:
             if counts:
                 ids = np.fromiter(counts.keys(), np.int64, len(counts))
                 n = np.fromiter(counts.values(), np.float32, len(counts))
-                out[ids] -= np.float32(pen.frequency) * n + np.float32(pen.presence)
+                keep = ids < vocab
+                out[ids[keep]] -= np.float32(pen.frequency) * n[keep] + np.float32(pen.presence)
         if len(self.bias_ids):
-            out[self.bias_ids] += self.bias
+            keep = self.bias_ids < vocab
+            out[self.bias_ids[keep]] += self.bias[keep]
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +80,10 @@ class DecodeState:
     rng: np.random.Generator  # rejection sampling's sequential stream
     stats: dict = field(default_factory=dict)
     noise: PositionNoise | None = None  # seeded sampling (when sampling): noise per sequence index
+    # the request's penalties (runtime/penalties.py): logits, the tokens drafted past the root -> the logits
+    # the target will choose from there; a model drafter drafts from them too, or it keeps proposing what
+    # the penalty just turned away (None: no penalties)
+    penalize: Callable[[np.ndarray, list[int]], np.ndarray] | None = None
 
 
 class Drafter:

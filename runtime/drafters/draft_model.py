@@ -171,12 +171,18 @@ class DraftModelDrafter(Drafter):
         # model part's drafting there, and a long prompt's copy would price its drafts too high.
         self._seed(state)
 
-    def _pick(self, logits: np.ndarray, state: DecodeState, index: int, probs: list) -> tuple[int, float]:
+    def _pick(self, logits: np.ndarray, state: DecodeState, index: int, probs: list,
+              drafted: list[int]) -> tuple[int, float]:
         """The draft token for sequence index `index` and its probability under the draft. Seeded:
         race q with the target's noise for that index, so the draft agrees with the target's own
         draw as often as their distributions allow under this coupling. Rejection: draw from q and
-        keep q for verification. Greedy: the argmax and its softmax probability."""
+        keep q for verification. Greedy: the argmax and its softmax probability. Under penalties the
+        draft's logits are penalized as the target's will be there (`drafted`: this step's drafts so
+        far): an unpenalized self-draft kept proposing the repeats a penalty turns away (SmolLM2 chat,
+        repetition_penalty 1.1: 2.3-4.1 tokens a call against 5.0-6.1 without, slower than `ar`)."""
         ids = self.vocab_ids
+        if state.penalize is not None and ids is None:  # a draft vocabulary's columns are not the target's ids
+            logits = state.penalize(logits, drafted)
         if state.params.greedy:
             best = int(np.argmax(logits))
             if not (self.stop_below or self.runner_up):
@@ -237,7 +243,7 @@ class DraftModelDrafter(Drafter):
         candidates: list[tuple[float, int, int]] = []
         self._second = (0, 0.0)
         table = self._table(state)
-        token, p = self._pick(out.logits[-1], state, first, probs)
+        token, p = self._pick(out.logits[-1], state, first, probs, [])
         drafts, picked_probs = [token], [p]
         chance = p if table is None else table.chance(p)
         if leaves:
@@ -248,7 +254,7 @@ class DraftModelDrafter(Drafter):
             pos = cache.length
             out = self.decoder.forward(np.array(drafts[-1:]), np.array([pos]), np.ones((1, 1), bool))
             self.decoder.commit(out, slice(0, 1))
-            token, p = self._pick(out.logits[-1], state, first + i, probs)
+            token, p = self._pick(out.logits[-1], state, first + i, probs, drafts)
             drafts.append(token)
             picked_probs.append(p)
             if leaves:

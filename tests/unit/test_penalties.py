@@ -101,3 +101,12 @@ def test_seeded_and_rejection_sampling_read_the_penalized_rows():
         rejected = verify(tree, tokens, logits, params, np.random.default_rng(seed), penalize=ctx.apply)
         for v in (seeded, rejected):
             assert v.path == [0] and v.next_token != 3
+
+
+def test_a_shorter_row_skips_the_ids_past_it():
+    """A draft model's logits may have fewer columns than the target's vocabulary: what lies past them
+    is skipped, the rest penalized as in the target's row."""
+    ctx = PenaltyContext(Penalties(2.0, frequency=1.0, logit_bias={7: 5.0, 1: 1.0}), prompt_ids=[0, 9])
+    ctx.commit([1, 8])
+    out = ctx.apply(np.full(4, 2.0, np.float32), path=[6])
+    np.testing.assert_array_equal(out, [1.0, 1.0 - 1.0 + 1.0, 2.0, 2.0])
