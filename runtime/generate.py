@@ -5,6 +5,7 @@ Streaming: `Generation` is an iterator of `TokenEvent`s; `.result()` drains it.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from collections.abc import Iterator, Mapping, Set
@@ -30,7 +31,9 @@ from .verify import Verdict, verify
 class TokenEvent:
     token_id: int
     text: str  # text delta made safe to show (held back while it may be a stop-string prefix)
-    logprob: TokenLogprob | None = None  # when the request asked for logprobs (none on a text-only tail)
+    # when the request asked for logprobs: those of the tokens whose text this event's delta completes
+    # (a token's text held back behind a possible stop string brings its logprobs later, with it)
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass
@@ -155,7 +158,8 @@ class Generation:
                                  penalize=None if self.penalty is None else self.penalty.apply)
         self.prompt_len = len(prompt_ids)
         self.new_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = None if self.top_logprobs is None else []
+        self.logprobs: list[TokenLogprob] | None = None if self.top_logprobs is None else []  # released ones
+        self._held: list[tuple[int, TokenLogprob]] = []  # (where its token's text ends, its logprobs) not yet shown
         self.text, self._shown = "", 0
         self._detok = IncrementalDecoder(export.tokenizer)
         self.finish_reason: str | None = None
@@ -262,11 +266,10 @@ class Generation:
 
     def _emit(self, tok: int, logprob: TokenLogprob | None = None) -> TokenEvent | None:
         self.new_ids.append(tok)
-        if self.logprobs is not None and logprob is not None:
-            self.logprobs.append(logprob)
+        start = len(self.text)
         if tok in self.eos:
             self.finish_reason = "stop"
-            return TokenEvent(tok, "", logprob)
+            return TokenEvent(tok, "", self._release(logprob, start, final=True))
         self.text += self._detok.push(tok)
         if self.stop:
             hits = [i for i in (self.text.find(s, max(0, self._shown - len(s))) for s in self.stop) if i >= 0]
@@ -275,7 +278,26 @@ class Generation:
                 self.finish_reason = "stop"
         if self.finish_reason is None and len(self.new_ids) >= self.max_new:
             self.finish_reason = "length"
-        return TokenEvent(tok, self._delta(final=self.finish_reason is not None), logprob)
+        final = self.finish_reason is not None
+        delta = self._delta(final)
+        return TokenEvent(tok, delta, self._release(logprob, start, final))
+
+    def _release(self, logprob: TokenLogprob | None, start: int, final: bool) -> tuple[TokenLogprob, ...]:
+        """Hold `logprob` (its token's text starts at `start`) until the text shown has passed its
+        token's; return those it has passed now (every one when `final`), each with its text offset."""
+        if logprob is not None:
+            self._held.append((len(self.text), dataclasses.replace(logprob, text_offset=start)))
+        if not self._held:
+            return ()
+        n = len(self._held) if final else next((i for i, (end, _) in enumerate(self._held) if end > self._shown),
+                                               len(self._held))
+        # a stop string cuts the text: a token past it starts at the text's end
+        out = tuple(lp if lp.text_offset <= len(self.text) else dataclasses.replace(lp, text_offset=len(self.text))
+                    for _, lp in self._held[:n])
+        del self._held[:n]
+        if self.logprobs is not None:
+            self.logprobs.extend(out)
+        return out
 
     def _delta(self, final: bool) -> str:
         safe = len(self.text)
@@ -289,8 +311,9 @@ class Generation:
     def _flush(self) -> TokenEvent | None:
         if self.finish_reason != "stop" or self.new_ids[-1:] and self.new_ids[-1] in self.eos:
             self.text += self._detok.flush()  # a stop string already cut the text: nothing after it
-        if self._shown < len(self.text):
-            return TokenEvent(-1, self._delta(final=True))
+        if self._shown < len(self.text) or self._held:
+            delta = self._delta(final=True)
+            return TokenEvent(-1, delta, self._release(None, len(self.text), final=True))
         return None
 
     def _finish_stats(self, seconds: float) -> None:

@@ -27,9 +27,13 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # the likeliest tokens (id, logprob), likeliest first, ties by id
+    # where the token's text starts in the generation's text (set by the generation: a token that
+    # holds part of a character starts where that character does; one past a stop string, at the end)
+    text_offset: int = 0
 
     def to_json(self) -> dict:
-        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top],
+                "text_offset": self.text_offset}
 
 
 def checked_top(value) -> int | None:

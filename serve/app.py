@@ -372,17 +372,12 @@ class Server:
             try:
                 if shape.chat:
                     yield shape.chunk(None, role=True)
-                # a token's logprobs ride with the chunk that carries its text (held back while it may
-                # start a stop string); any left when the stream ends, in a chunk of their own
-                pending: list | None = None if req.top_logprobs is None else []
+                # a token's logprobs ride with the chunk that carries its text (runtime/generate.py holds them
+                # back with it); those of a token without text (EOS) in a chunk of no text
+                wants = req.top_logprobs is not None
                 async for batch in run.batches():  # one write per batch of ready tokens
-                    pieces = []
-                    for event in batch:
-                        if pending is not None and event.logprob is not None:
-                            pending.append(event.logprob)
-                        if event.text:
-                            pieces.append(shape.chunk(event.text, logprobs=pending))
-                            pending = None if pending is None else []
+                    pieces = [shape.chunk(event.text, logprobs=event.logprobs if wants else None) for event in batch
+                              if event.text or wants and event.logprobs]
                     if pieces:
                         if first:
                             self.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - arrived)
@@ -390,8 +385,6 @@ class Server:
                         yield "".join(pieces)
                 if deadline.expired:
                     raise deadline.error()
-                if pending:
-                    yield shape.chunk("", logprobs=pending)
                 yield shape.chunk(None, req.finish_reason)
                 if include_usage:
                     yield shape.usage_chunk(self.usage(req), public_stats(req.stats))

@@ -2,9 +2,10 @@
 
 Logprobs, when asked for, in each API's own shape: chat's `logprobs.content` (a token's text, its
 UTF-8 `bytes`, its log probability and `top_logprobs`), the legacy completions' parallel lists
-(`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, `text_offset`: where each token's
-text starts in the completion). A token's text is its bytes decoded alone: a token that holds
-part of a UTF-8 character shows U+FFFD there, its `bytes` exact.
+(`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob} with the sampled token always
+among them, as OpenAI's, so up to N + 1; `text_offset`: where each token's text starts in the
+completion's text). A token's text is its bytes decoded alone; a token that holds part of a UTF-8
+character is written "bytes:\\xe2\\x80" (OpenAI's form), so no two tokens share a text.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ class Shape:
         self.chat, self.model, self.token_bytes = chat, model, token_bytes
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._offset = 0  # completions' text_offset: characters of token text already listed
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -57,28 +57,39 @@ class Shape:
             return None
         assert self.token_bytes is not None, "a Shape that shows logprobs needs the tokenizer's token_bytes"
 
-        def text(token_id: int) -> tuple[str, bytes]:
-            raw = self.token_bytes(token_id)
-            return raw.decode("utf-8", errors="replace"), raw
+        token_bytes = self.token_bytes
+
+        def text(token_id: int) -> str:
+            return token_text(token_bytes(token_id))
 
         if self.chat:
             def entry(token_id: int, logprob: float) -> dict:
-                token, raw = text(token_id)
-                return {"token": token, "logprob": logprob, "bytes": list(raw)}
+                raw = token_bytes(token_id)
+                return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
 
             return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
                                for t in tokens], "refusal": None}
-        words, offsets = [], []
-        for t in tokens:
-            offsets.append(self._offset)
-            words.append(text(t.token_id)[0])
-            self._offset += len(words[-1])
-        return {"tokens": words, "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{text(i)[0]: v for i, v in t.top} for t in tokens], "text_offset": offsets}
+
+        def top(t: TokenLogprob) -> dict:
+            out: dict[str, float] = {}
+            for i, v in (*t.top, (t.token_id, t.logprob)):  # the sampled token too, if not among the top
+                out.setdefault(text(i), v)
+            return out
+
+        return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [top(t) for t in tokens], "text_offset": [t.text_offset for t in tokens]}
 
     def usage_chunk(self, usage: dict, stats: dict) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return sse(self._envelope(obj, [], usage=usage, specdeploy=stats))
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text: its bytes as UTF-8, or OpenAI's "bytes:\\xNN..." where they are part of a character."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..runtime.logprobs import MAX_TOP
-from ..runtime.penalties import MAX_BIASES
+from ..runtime.penalties import MAX_BIASES, REPETITION
 from ..runtime.tokenizer import bad_char
 from .errors import ApiError, bad_request
 
@@ -57,7 +57,7 @@ class _Common(BaseModel):
     # specdeploy extensions (the openai client sends them with extra_body=...)
     method: Optional[str] = None
     top_k: Optional[int] = Field(None, ge=0)
-    repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
+    repetition_penalty: Optional[float] = Field(None, ge=REPETITION[0], le=REPETITION[1], allow_inf_nan=False)
     ignore_eos: Optional[bool] = None
     sampling: Optional[Literal["seeded", "rejection"]] = None  # how drafts are accepted; None: the method's default
 
@@ -241,7 +241,8 @@ def token_biases(bias: dict | None, vocab: int) -> dict[int, float]:
         raise bad_request(f"'logit_bias' has {len(bias)} entries; at most {MAX_BIASES} are allowed", "logit_bias")
     out = {}
     for key, value in bias.items():
-        if not key.isascii() or not key.isdigit() or int(key) >= vocab:
+        # the length first: int() refuses strings past 4,300 digits with a ValueError
+        if not key.isascii() or not key.isdigit() or len(key) > len(str(vocab)) or int(key) >= vocab:
             raise bad_request(f"invalid 'logit_bias': {key[:40]!r} is not a token id of this model (0 to {vocab - 1})",
                               "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:

@@ -233,7 +233,8 @@ def test_logprobs_are_the_targets_in_both_apis_streamed_or_not(server, client, c
     assert "".join(lp.tokens) == full.text and lp.text_offset[0] == 0
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
     assert lp.token_logprobs == pytest.approx([t.logprob for t in ar.logprobs], abs=1e-4)
-    assert all(len(top) == 3 for top in lp.top_logprobs)
+    # the 3 likeliest, and the sampled token among them when it is not one of those (OpenAI's N + 1)
+    assert all(3 <= len(top) <= 4 and top[t] == v for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=3, stream=True, **options)
     streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
     assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
@@ -281,6 +282,34 @@ def test_penalties_are_served_as_the_runtime_applies_them(server, client, chat_e
             got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
                                             **{k: v for k, v in body.items() if k != "extra_body"}, extra_body=extra)
             assert got.choices[0].text == want, (method, penalties)
+
+
+def test_streamed_logprobs_never_run_ahead_of_their_text(server, client):
+    """Text that could start a stop string is held back; its tokens' logprobs are held with it, and a
+    token's text_offset points at its text in the completion, streamed or not."""
+    prompt = "Once upon a time"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+    options = dict(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, logprobs=1,
+                   stop=["\x00never", stop_inside(plain)])  # 6 characters held back while streaming
+    full = client.completions.create(**options).choices[0]
+    assert full.finish_reason == "stop"
+    lp = full.logprobs
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        assert offset <= len(full.text)
+        if offset + len(token) <= len(full.text):  # tokens before the stop string: their text is there
+            assert full.text[offset:offset + len(token)] == token
+    chunks = [c.choices[0] for c in client.completions.create(**options, stream=True) if c.choices]
+    carrying = [i for i, c in enumerate(chunks) if c.logprobs and c.logprobs.tokens]
+    shown = listed = 0
+    for i, chunk in enumerate(chunks):
+        shown += len(chunk.text or "")
+        if chunk.logprobs:
+            listed += sum(len(t) for t in chunk.logprobs.tokens)
+        if i < carrying[-1]:  # the last one also brings the tokens past the stop string
+            assert listed <= shown, (i, listed, shown)
+    streamed = [c.logprobs for c in chunks if c.logprobs]
+    assert sum((c.tokens for c in streamed), []) == lp.tokens
+    assert sum((c.text_offset for c in streamed), []) == lp.text_offset
 
 
 def test_raw_sse_format(server):
@@ -375,6 +404,9 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias",
      "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 1e-300}, 400, "repetition_penalty", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 1e300}, 400, "repetition_penalty", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs", "invalid_type"),

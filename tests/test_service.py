@@ -221,10 +221,10 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
     ids = svc.tokenizer.encode("def f():")
     want = svc.generate(prompt_ids=ids, max_new_tokens=3).token_ids
     assert svc.generate(prompt_ids=np.array(ids), max_new_tokens=3).token_ids == want  # numpy ids are ids
-    with svc.stream(prompt_ids=ids, max_new_tokens=3, logprobs=np.int64(2)) as req:  # each event its token's
-        events = [e for e in req if e.token_id >= 0]
-        assert [e.logprob.token_id for e in events] == want == [lp.token_id for lp in req.logprobs]
-        assert all(len(e.logprob.top) == 2 for e in events)
+    with svc.stream(prompt_ids=ids, max_new_tokens=3, logprobs=np.int64(2)) as req:  # events carry them in order
+        streamed = [lp for e in req for lp in e.logprobs]
+        assert [lp.token_id for lp in streamed] == want == [lp.token_id for lp in req.logprobs]
+        assert all(len(lp.top) == 2 for lp in streamed)
     assert svc.generate(prompt_ids=ids, max_new_tokens=3).logprobs is None  # not asked for
 
 

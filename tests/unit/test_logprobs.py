@@ -100,3 +100,26 @@ def test_sentencepiece_pieces_read_byte_fallback_and_the_space_mark(tmp_path):
     t = TextTokenizer(tmp_path)
     assert [t.token_bytes(i) for i in (1, 2, 6)] == [b" the", b"cat", b" "]
     assert b"".join(t.token_bytes(i) for i in (3, 4, 5)).decode("utf-8") == "\u65e5"
+
+
+def test_openai_shapes_name_partial_characters_and_keep_the_sampled_token():
+    """Tokens that hold part of a UTF-8 character get OpenAI's "bytes:\\xNN" texts; a legacy top_logprobs
+    keeps the likelier of two tokens with one text and always lists the sampled token; offsets are the
+    generation's."""
+    from specdeploy.runtime.logprobs import TokenLogprob
+    from specdeploy.serve.openai_format import Shape
+
+    pieces = {1: b"\xf0\x9f", 2: b"\x99\x82", 3: b"\xf0\x9f\x98", 4: b" a", 5: b"<|end|>", 6: b" a"}
+    tokens = [TokenLogprob(1, -0.5, ((3, -0.2), (1, -0.5)), 0), TokenLogprob(2, -0.1, ((2, -0.1),), 0),
+              TokenLogprob(4, -3.0, ((5, -0.1), (6, -1.0)), 1)]
+    legacy = Shape(False, "m", pieces.__getitem__).logprobs(tokens)
+    assert legacy["tokens"] == ["bytes:\\xf0\\x9f", "bytes:\\x99\\x82", " a"]
+    assert legacy["token_logprobs"] == [-0.5, -0.1, -3.0] and legacy["text_offset"] == [0, 0, 1]
+    assert legacy["top_logprobs"] == [{"bytes:\\xf0\\x9f\\x98": -0.2, "bytes:\\xf0\\x9f": -0.5},
+                                      {"bytes:\\x99\\x82": -0.1},
+                                      {"<|end|>": -0.1, " a": -1.0}]  # token 6 (" a", likelier) keeps the key
+    chat = Shape(True, "m", pieces.__getitem__).logprobs(tokens)
+    first = chat["content"][0]
+    assert first["bytes"] == [0xF0, 0x9F] and first["token"] == "bytes:\\xf0\\x9f" and first["logprob"] == -0.5
+    assert [t["token"] for t in chat["content"][2]["top_logprobs"]] == ["<|end|>", " a"]
+    assert chat["refusal"] is None and Shape(True, "m").logprobs(None) is None

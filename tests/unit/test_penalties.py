@@ -15,8 +15,10 @@ from specdeploy.runtime.verify import verify
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(repetition=0), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition=0), "repetition_penalty must be a number from 0.01 to 100"),
     (dict(repetition=-1.0), "repetition_penalty"),
+    (dict(repetition=1e-300), "repetition_penalty"),  # float32 logits would turn inf: garbage, no error
+    (dict(repetition=101), "repetition_penalty"),
     (dict(repetition=float("inf")), "repetition_penalty"),
     (dict(repetition=True), "repetition_penalty"),
     (dict(frequency=2.5), "frequency_penalty must be a number from -2 to 2"),
@@ -110,3 +112,22 @@ def test_a_shorter_row_skips_the_ids_past_it():
     ctx.commit([1, 8])
     out = ctx.apply(np.full(4, 2.0, np.float32), path=[6])
     np.testing.assert_array_equal(out, [1.0, 1.0 - 1.0 + 1.0, 2.0, 2.0])
+
+
+def test_a_row_after_drafts_equals_the_row_after_the_same_tokens_committed():
+    """What makes penalties lossless: a verify row penalized by its path is bit for bit the row plain
+    decoding penalizes once those tokens are committed (the draft-free walk `ar` takes)."""
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        pen = Penalties(float(rng.uniform(0.5, 2.0)), float(rng.uniform(-2, 2)), float(rng.uniform(-2, 2)),
+                        {int(t): float(rng.uniform(-5, 5)) for t in rng.integers(0, 50, 3)})
+        prompt = rng.integers(0, 50, 10).tolist()
+        done = rng.integers(0, 50, int(rng.integers(0, 20))).tolist()
+        path = rng.integers(0, 50, int(rng.integers(0, 6))).tolist()
+        logits = (rng.standard_normal(50) * 4).astype(np.float32)
+        walked = PenaltyContext(pen, prompt)
+        walked.commit(done)
+        committed = PenaltyContext(pen, prompt)
+        committed.commit(done)
+        committed.commit(path)
+        np.testing.assert_array_equal(walked.apply(logits, path), committed.apply(logits, []), err_msg=str(trial))
