@@ -23,7 +23,7 @@ from .logprobs import TokenLogprob, checked_top, token_logprob
 from .methods import build_drafter, resolve_method
 from .penalties import Penalties, PenaltyContext
 from .sampling import PositionNoise, SamplingParams, as_int, fresh_seed
-from .tokenizer import IncrementalDecoder, check_text
+from .tokenizer import IncrementalDecoder, check_text, text_and_offsets
 from .verify import Verdict, verify
 
 
@@ -43,12 +43,16 @@ class GenerationResult:
     finish_reason: str  # "stop" (eos or stop string), "length", "cancelled"
     stats: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    # one per prompt token, when asked for (the first None: nothing before it to predict it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_json(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                "stats": self.stats}
         if self.logprobs is not None:
             out["logprobs"] = [lp.to_json() for lp in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [None if lp is None else lp.to_json() for lp in self.prompt_logprobs]
         return out
 
 
@@ -85,11 +89,13 @@ def checked_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens: int) -> int:
-    """Checks a request against the export; returns max_new_tokens as a Python int (numpy's integers too)."""
+def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens: int, scoring: bool = False) -> int:
+    """Checks a request against the export; returns max_new_tokens as a Python int (numpy's integers too).
+    `scoring`: the request asks for the prompt's logprobs, and may then generate nothing (0)."""
     new = as_int(max_new_tokens)
-    if new is None or new < 1:
-        raise SpecDeployError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if new is None or new < (0 if scoring else 1):
+        raise SpecDeployError(f"max_new_tokens must be an integer >= 1 (0 only to score the prompt: "
+                              f"prompt_logprobs), got {max_new_tokens!r}")
     if not prompt_ids:
         raise SpecDeployError("the prompt is empty")
     vocab = export.manifest.models["target"].vocab_size
@@ -115,13 +121,15 @@ class Generation:
     is one the caller built for `method` (tree tuning wraps one to observe it). `adaptive`
     decodes plainly while speculating is measured slower (runtime/adaptive.py); None: on,
     unless the environment sets SPECDEPLOY_ADAPTIVE=0. `logprobs` N: each token's log probability
-    and its N likeliest alternatives' (runtime/logprobs.py); None: none. `penalties`: repetition,
+    and its N likeliest alternatives' (runtime/logprobs.py); None: none. `prompt_logprobs`: the same
+    for every prompt token after the first (the prefill then scores every row). `penalties`: repetition,
     frequency and presence penalties and logit biases (runtime/penalties.py); None: none."""
 
     def __init__(self, export: LoadedExport, prompt_ids: list[int], method: str = "ar",
                  params: SamplingParams | None = None, max_new_tokens: int = 64, stop: list[str] | None = None,
                  ignore_eos: bool = False, method_overrides: dict | None = None, drafter: Drafter | None = None,
-                 adaptive: bool | None = None, logprobs: int | None = None, penalties: Penalties | None = None):
+                 adaptive: bool | None = None, logprobs: int | None = None, penalties: Penalties | None = None,
+                 prompt_logprobs: bool = False):
         if params is not None and not isinstance(params, SamplingParams):
             raise SpecDeployError(f"params must be a SamplingParams, got {type(params).__name__}")
         if penalties is not None and not isinstance(penalties, Penalties):
@@ -132,7 +140,10 @@ class Generation:
         prompt_ids = checked_ids(prompt_ids)
         stop, ignore_eos = checked_stop(stop), checked_flag(ignore_eos, "ignore_eos")
         self.top_logprobs = checked_top(logprobs)
-        max_new_tokens = validate_request(export, prompt_ids, max_new_tokens)
+        # prompt token i's log probability, read off the prefill's row i - 1 (runtime/logprobs.py)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = \
+            [None] if checked_flag(prompt_logprobs, "prompt_logprobs") else None
+        max_new_tokens = validate_request(export, prompt_ids, max_new_tokens, self.prompt_logprobs is not None)
         method = resolve_method(method, export)  # `auto`: the export's recommended method
         self.export, self.method, self.max_new = export, method, max_new_tokens
         config = export.method_config(method, method_overrides)
@@ -181,12 +192,14 @@ class Generation:
         calls0, verify0 = target.calls, target.seconds
         try:
             target.prefill(state.tokens[:-1], target.prefill_limit(self.export.prefill_chunk),
-                           on_chunk=self._prefilled)
+                           on_chunk=self._prefilled, all_logits=self.prompt_logprobs is not None)
         except _PrefillCancelled:
             self.finish_reason = "cancelled"
         self.stats["prefill_calls"] = target.calls - calls0
         self.stats["prefill_s"] = target.seconds - verify0
         self.stats["prefilled_tokens"] = target.cache.length  # fewer than the prompt's when cancelled
+        if self.finish_reason is None and self.max_new == 0:  # the prompt scored (prompt_logprobs): done
+            self.finish_reason = "length"
         if self.finish_reason is None:
             drafter.start(state)
         kv0 = target.cache.bytes_copied
@@ -261,6 +274,13 @@ class Generation:
     def _prefilled(self, step) -> None:
         """After each prefill chunk: a cancelled request stops here, not after the whole prompt."""
         self.drafter.prefilled(step)
+        if self.prompt_logprobs is not None:  # row r scores the token after it
+            prompt, top, at = self.state.tokens, self.top_logprobs or 0, len(self.prompt_logprobs)
+            self.prompt_logprobs += [token_logprob(row, prompt[at + r], top) for r, row in enumerate(step.logits)]
+            if len(self.prompt_logprobs) == self.prompt_len:  # where each token's text starts in the prompt's
+                _, starts = text_and_offsets(self.export.tokenizer, prompt[: self.prompt_len])
+                self.prompt_logprobs = [lp if lp is None else dataclasses.replace(lp, text_offset=start)
+                                        for lp, start in zip(self.prompt_logprobs, starts)]
         if self._cancelled:
             raise _PrefillCancelled
 
@@ -333,7 +353,8 @@ class Generation:
         for _ in self:
             pass
         return GenerationResult(self.text, list(self.new_ids), self.finish_reason or "length", dict(self.stats),
-                                None if self.logprobs is None else list(self.logprobs))
+                                None if self.logprobs is None else list(self.logprobs),
+                                None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
 
 def exact_rows_only(export: LoadedExport) -> bool:

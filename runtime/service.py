@@ -162,13 +162,14 @@ class Service:
                 timeout: float | None = None, request_id: str | None = None,
                 sampling: str | None = None, logprobs: int | None = None, repetition_penalty: float = 1.0,
                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                logit_bias: dict[int, float] | None = None) -> "Request":
+                logit_bias: dict[int, float] | None = None, prompt_logprobs: bool = False) -> "Request":
         """A validated request that has not started yet (SpecDeployError on bad input).
 
         `request_id` names it in logs and thread names (default: a random id). `sampling`
         ("seeded" or "rejection") picks how drafts are accepted when sampling; None: the method's default.
         `logprobs` N (0-20): each token's log probability and its N likeliest alternatives'
-        (TokenEvent.logprob, GenerationResult.logprobs; runtime/logprobs.py); None: none.
+        (TokenEvent.logprobs, GenerationResult.logprobs; runtime/logprobs.py); None: none. `prompt_logprobs`:
+        the same for the prompt's tokens after the first (Request.prompt_logprobs, once prefilled).
         `repetition_penalty` (HF's), `frequency_penalty`, `presence_penalty` and `logit_bias` ({token id: bias},
         OpenAI's): runtime/penalties.py.
         """
@@ -182,6 +183,7 @@ class Service:
             timeout = check_wait(timeout, "timeout")
         ignore_eos = checked_flag(ignore_eos, "ignore_eos")
         logprobs = checked_top(logprobs)
+        prompt_logprobs = checked_flag(prompt_logprobs, "prompt_logprobs")
         if request_id is not None and not isinstance(request_id, str):
             raise SpecDeployError(f"request_id must be a string, got {type(request_id).__name__}")
         method = self.resolve(method)
@@ -189,10 +191,10 @@ class Service:
             raise SpecDeployError(self.method_message(method))
         params = SamplingParams(temperature, top_k, top_p, seed, sampling)
         penalties = Penalties(repetition_penalty, frequency_penalty, presence_penalty, _bias_items(logit_bias))
-        max_new_tokens = validate_request(self.meta, ids, max_new_tokens)
+        max_new_tokens = validate_request(self.meta, ids, max_new_tokens, prompt_logprobs)
         penalties.check_vocab(self.meta.manifest.models["target"].vocab_size)
         return Request(self, ids, method, params, max_new_tokens, checked_stop(stop), ignore_eos, timeout, request_id,
-                       logprobs, penalties if penalties.active else None)
+                       logprobs, penalties if penalties.active else None, prompt_logprobs)
 
     def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> "Request":
         """A started request: it holds an instance until iterated to the end, cancelled or closed."""
@@ -261,11 +263,13 @@ class Request:
 
     def __init__(self, service: Service, prompt_ids: list[int], method: str, params: SamplingParams,
                  max_new_tokens: int, stop: list[str], ignore_eos: bool, timeout: float | None,
-                 request_id: str | None = None, logprobs: int | None = None, penalties: Penalties | None = None):
+                 request_id: str | None = None, logprobs: int | None = None, penalties: Penalties | None = None,
+                 prompt_logprobs: bool = False):
         self.id = request_id or uuid.uuid4().hex
         self.service, self.prompt_ids, self.method = service, prompt_ids, method
         self.params, self.max_new_tokens, self.stop, self.ignore_eos = params, max_new_tokens, stop, ignore_eos
         self.timeout, self.top_logprobs, self.penalties = timeout, logprobs, penalties
+        self.with_prompt_logprobs = prompt_logprobs
         self._ticket = Ticket()
         self._lock = threading.Lock()
         self._export = None
@@ -301,7 +305,8 @@ class Request:
                 options = export.generation_options(self.method) if hasattr(export, "generation_options") else {}
                 self._gen = Generation(export, self.prompt_ids, method=self.method, params=self.params,
                                        max_new_tokens=self.max_new_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                                       logprobs=self.top_logprobs, penalties=self.penalties, **options)
+                                       logprobs=self.top_logprobs, penalties=self.penalties,
+                                       prompt_logprobs=self.with_prompt_logprobs, **options)
             except BaseException as exc:
                 self.error = exc
                 self._release()
@@ -376,7 +381,8 @@ class Request:
     def result(self) -> GenerationResult:
         for _ in self:
             pass
-        return GenerationResult(self.text, self.token_ids, self.finish_reason, self.stats, self.logprobs)
+        return GenerationResult(self.text, self.token_ids, self.finish_reason, self.stats, self.logprobs,
+                                self.prompt_logprobs)
 
     @property
     def cancelled(self) -> bool:
@@ -396,6 +402,13 @@ class Request:
         if self.top_logprobs is None:
             return None
         return list(self._gen.logprobs or []) if self._gen is not None else []
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """One per prompt token (the first None) when asked for, once the prompt is prefilled; else None."""
+        if not self.with_prompt_logprobs or self._gen is None or self._gen.prompt_logprobs is None:
+            return None
+        return list(self._gen.prompt_logprobs)
 
     @property
     def finish_reason(self) -> str:

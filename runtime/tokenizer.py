@@ -133,3 +133,13 @@ class IncrementalDecoder:
         after = self.tokenizer.decode_ids(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return after[len(before) :] if len(after) > len(before) else ""
+
+
+def text_and_offsets(tokenizer: TextTokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """The text of `ids` as a generation streams it (IncrementalDecoder), and where each token's text
+    starts in it: a token that holds part of a character starts where that character does."""
+    detok, text, starts = IncrementalDecoder(tokenizer), "", []
+    for tok in ids:
+        starts.append(len(text))
+        text += detok.push(tok)
+    return text + detok.flush(), starts

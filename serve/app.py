@@ -39,6 +39,7 @@ from ..runtime.chat_template import ChatTemplateError, encode_rendered, template
 from ..runtime.errors import SpecDeployError
 from ..runtime.methods import AUTO
 from ..runtime.pool import BusyError, PoolClosed
+from ..runtime.tokenizer import text_and_offsets
 from .admission import Admission, Admitted
 from .chat import message_dicts
 from .errors import (
@@ -260,6 +261,10 @@ class Server:
             raise bad_request(f"this model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
                               "(it must leave room for at least one new token)", prompt_param,
                               "context_length_exceeded")
+        scoring = body.echoes() and body.alternatives() is not None  # the prompt's logprobs: 0 new tokens allowed
+        if max_tokens == 0 and not scoring:
+            raise bad_request(f"'{tokens_param}' must be at least 1 (0 only with echo and logprobs, to score the "
+                              "prompt)", tokens_param, "invalid_value")
         if max_tokens is None:
             max_tokens = min(default_max or ctx, ctx - n, cap or ctx)
         elif cap is not None and max_tokens > cap:
@@ -276,7 +281,8 @@ class Server:
                     ignore_eos=bool(body.ignore_eos), sampling=body.sampling, logprobs=body.alternatives(),
                     repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                     frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
-                    logit_bias=token_biases(body.logit_bias, svc.meta.manifest.models["target"].vocab_size))
+                    logit_bias=token_biases(body.logit_bias, svc.meta.manifest.models["target"].vocab_size),
+                    prompt_logprobs=scoring)
 
     # -- running --------------------------------------------------------------------
     async def handle(self, request: Request, chat: bool):
@@ -301,7 +307,8 @@ class Server:
             deadline.watch(run)
             if not await self._start(request, run, deadline):
                 return Response(status_code=499)
-            shape = Shape(chat, self.model_name, self.service.tokenizer.token_bytes)
+            echo = text_and_offsets(self.service.tokenizer, options["prompt_ids"])[0] if body.echoes() else None
+            shape = Shape(chat, self.model_name, self.service.tokenizer.token_bytes, echo)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 cleanup = _Cleanup(run, deadline, admitted)
@@ -319,7 +326,7 @@ class Server:
                 raise deadline.error()
             req = run.request
             return JSONResponse(shape.response(req.text, req.finish_reason, self.usage(req), public_stats(req.stats),
-                                               req.logprobs))
+                                               req.logprobs, _prompt(req)))
         except _Overrun as overrun:
             held, admitted = admitted, None
             deadline.stop()
@@ -375,9 +382,13 @@ class Server:
                 # a token's logprobs ride with the chunk that carries its text (runtime/generate.py holds them
                 # back with it); those of a token without text (EOS) in a chunk of no text
                 wants = req.top_logprobs is not None
+                echo = shape.echo is not None  # the prompt's text first, once it is prefilled (with its logprobs)
                 async for batch in run.batches():  # one write per batch of ready tokens
                     pieces = [shape.chunk(event.text, logprobs=event.logprobs if wants else None) for event in batch
                               if event.text or wants and event.logprobs]
+                    if echo:
+                        pieces.insert(0, shape.echo_chunk(_prompt(req)))
+                        echo = False
                     if pieces:
                         if first:
                             self.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - arrived)
@@ -385,6 +396,8 @@ class Server:
                         yield "".join(pieces)
                 if deadline.expired:
                     raise deadline.error()
+                if echo:  # no token came: max_tokens 0 (the prompt scored), or cancelled in the prefill
+                    yield shape.echo_chunk(_prompt(req))
                 yield shape.chunk(None, req.finish_reason)
                 if include_usage:
                     yield shape.usage_chunk(self.usage(req), public_stats(req.stats))
@@ -402,6 +415,12 @@ class Server:
     @staticmethod
     def usage(req) -> dict:
         return usage(len(req.prompt_ids), len(req.token_ids))
+
+
+def _prompt(req) -> tuple | None:
+    """(prompt ids, their logprobs) of a request that asked for them (an echo with logprobs), once prefilled."""
+    logprobs = req.prompt_logprobs
+    return None if logprobs is None or len(logprobs) < len(req.prompt_ids) else (req.prompt_ids, logprobs)
 
 
 class _Cleanup:

@@ -21,9 +21,11 @@ from ..runtime.logprobs import TokenLogprob
 class Shape:
     """One response's id, timestamps and model; builds its full body and its stream chunks."""
 
-    def __init__(self, chat: bool, model: str, token_bytes: Callable[[int], bytes] | None = None):
-        """`token_bytes`: the tokenizer's (TextTokenizer.token_bytes), for responses with logprobs."""
-        self.chat, self.model, self.token_bytes = chat, model, token_bytes
+    def __init__(self, chat: bool, model: str, token_bytes: Callable[[int], bytes] | None = None,
+                 echo: str | None = None):
+        """`token_bytes`: the tokenizer's (TextTokenizer.token_bytes), for responses with logprobs; `echo`: the
+        prompt's text a completion begins with (its tokens' text offsets are then past it)."""
+        self.chat, self.model, self.token_bytes, self.echo = chat, model, token_bytes, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -31,8 +33,14 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
     def response(self, text: str, finish_reason: str, usage: dict, stats: dict,
-                 logprobs: Sequence[TokenLogprob] | None = None) -> dict:
+                 logprobs: Sequence[TokenLogprob] | None = None, prompt: tuple | None = None) -> dict:
+        """`prompt`: (its token ids, their logprobs) for an echo with logprobs."""
         shown = self.logprobs(logprobs)
+        if self.echo is not None:
+            text = self.echo + text
+            before = self.prompt_logprobs(*prompt) if prompt is not None else None
+            if shown is not None and before is not None:
+                shown = {key: before[key] + shown[key] for key in shown}
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": shown,
                       "finish_reason": finish_reason}
@@ -51,7 +59,21 @@ class Shape:
         choice = {"index": 0, "text": text or "", "logprobs": shown, "finish_reason": finish_reason}
         return sse(self._envelope("text_completion", [choice]))
 
-    def logprobs(self, tokens: Sequence[TokenLogprob] | None) -> dict | None:
+    def echo_chunk(self, prompt: tuple | None) -> str:
+        """A stream's first chunk when it echoes: the prompt's text (and its logprobs: `prompt` as in response)."""
+        choice = {"index": 0, "text": self.echo, "logprobs": self.prompt_logprobs(*prompt) if prompt else None,
+                  "finish_reason": None}
+        return sse(self._envelope("text_completion", [choice]))
+
+    def prompt_logprobs(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob | None]) -> dict:
+        """The legacy lists for the prompt's tokens: the first token's logprob and alternatives null."""
+        first = self.logprobs([TokenLogprob(ids[0], 0.0)], shift=0)
+        rest = self.logprobs([lp for lp in logprobs[1:] if lp is not None], shift=0)
+        assert first is not None and rest is not None
+        first.update(token_logprobs=[None], top_logprobs=[None])
+        return {key: first[key] + rest[key] for key in first}
+
+    def logprobs(self, tokens: Sequence[TokenLogprob] | None, shift: int | None = None) -> dict | None:
         """The `logprobs` of a choice (or of a chunk's tokens, in order; a stream's offsets run on)."""
         if tokens is None:
             return None
@@ -76,8 +98,10 @@ class Shape:
                 out.setdefault(text(i), v)
             return out
 
+        if shift is None:  # a completion's own tokens: past an echoed prompt
+            shift = len(self.echo or "")
         return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [top(t) for t in tokens], "text_offset": [t.text_offset for t in tokens]}
+                "top_logprobs": [top(t) for t in tokens], "text_offset": [shift + t.text_offset for t in tokens]}
 
     def usage_chunk(self, usage: dict, stats: dict) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -2,7 +2,7 @@
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 when set to a
 non-default value rather than silently ignored (`unsupported()`): what changes the output
-(n, echo, best_of, suffix) or asks for a capability the model
+(n, best_of, suffix) or asks for a capability the model
 does not have here (tools and the legacy functions/function_call, response_format, audio
 output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself refuses it for
 a model that does not reason). Accepted and ignored, as they change nothing in the text
@@ -12,7 +12,9 @@ that only speeds up a matching output). Extensions: `method`, `top_k`, `ignore_e
 `repetition_penalty` (HF's, as vLLM takes it); `frequency_penalty`, `presence_penalty` and
 `logit_bias` are OpenAI's (runtime/penalties.py).
 `logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
-target's own log probabilities, whichever method drafted (runtime/logprobs.py).
+target's own log probabilities, whichever method drafted (runtime/logprobs.py); so is the
+completions' `echo` (the prompt's text before the completion's, and with `logprobs` the prompt
+tokens' too, the first null: what evaluation harnesses score a text by).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: only with a completion's echo and logprobs (scoring)
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)  # 0: the most probable token only
     n: Optional[int] = Field(None, ge=1)
@@ -69,6 +71,10 @@ class _Common(BaseModel):
         """How many alternatives per token the response's logprobs list; None: no logprobs."""
         return None
 
+    def echoes(self) -> bool:
+        """Whether the response begins with the prompt (completions' `echo`)."""
+        return False
+
 
 class CompletionRequest(_Common):
     prompt: Any = Field(json_schema_extra={"anyOf": [  # a string, token ids, or a one-element list of either
@@ -81,9 +87,11 @@ class CompletionRequest(_Common):
     def alternatives(self) -> int | None:
         return self.logprobs
 
+    def echoes(self) -> bool:
+        return bool(self.echo)
+
     def unsupported(self):
-        return super().unsupported() + [("echo", bool(self.echo)),
-                                        ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))]
+        return super().unsupported() + [("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))]
 
 
 # OpenAI's roles (function, deprecated, aside); the chat template decides what it renders of them.
@@ -135,7 +143,6 @@ SERVED_VALUES = {
     "n": {"anyOf": [{"const": 1}, _NULL]},
     "logit_bias": {"anyOf": [{"type": "object", "maxProperties": MAX_BIASES, "propertyNames": {"pattern": "^[0-9]+$"},
                               "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, _NULL]},
-    "echo": {"anyOf": [{"const": False}, _NULL]},
     "best_of": {"anyOf": [{"const": 1}, _NULL]},
     "suffix": {"anyOf": [{"const": ""}, _NULL]},
     "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},

@@ -161,7 +161,8 @@ def services(batched_export):
 
 def test_concurrent_mixed_requests_equal_their_batch1_output(services):
     alone, batched = services
-    jobs = [dict(job, max_new_tokens=10, ignore_eos=True, logprobs=i % 3) for i, job in enumerate(JOBS)]
+    jobs = [dict(job, max_new_tokens=10, ignore_eos=True, logprobs=i % 3, prompt_logprobs=i % 4 == 1)
+            for i, job in enumerate(JOBS)]
     want = [alone.generate(**job) for job in jobs]
     got: list = [None] * len(jobs)
 
@@ -176,6 +177,7 @@ def test_concurrent_mixed_requests_equal_their_batch1_output(services):
     for job, w, g in zip(jobs, want, got):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), job
         assert g.logprobs == w.logprobs and len(g.logprobs) == len(g.token_ids), job  # a row's logits are its own
+        assert g.prompt_logprobs == w.prompt_logprobs, job  # a row's prefill scores its prompt as alone
     assert batched.pool.in_use == 0
     assert batched.pool.exports[0].batcher.steps < sum(len(w.token_ids) for w in want)  # rows shared steps
 

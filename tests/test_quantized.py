@@ -161,6 +161,12 @@ def test_every_method_reports_ars_logprobs_bit_for_bit(quantized):
             assert want.logprobs is not None and len(want.logprobs) == len(want.token_ids) == NEW
             for method, got in runs.items():
                 assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, (method, prompt, params)
+            # the text scored whole (prefill rows: echo's prompt logprobs) gives the generation's numbers too
+            scored = generate(export, ids + want.token_ids, method="ar", max_new_tokens=1, logprobs=4,
+                              prompt_logprobs=True).prompt_logprobs
+            assert scored[0] is None and len(scored) == len(ids) + NEW
+            assert [(lp.token_id, lp.logprob, lp.top) for lp in scored[len(ids):]] == \
+                [(lp.token_id, lp.logprob, lp.top) for lp in want.logprobs]
 
 
 def test_auto_runs_prompt_lookup_on_a_quantized_target(quantized):

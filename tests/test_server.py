@@ -312,6 +312,44 @@ def test_streamed_logprobs_never_run_ahead_of_their_text(server, client):
     assert sum((c.text_offset for c in streamed), []) == lp.text_offset
 
 
+def test_echo_scores_a_text_as_generation_scored_it(server, client):
+    """`echo` with `logprobs` (how evaluation harnesses score a text): the prompt's tokens get the logprobs
+    the target gave them when it generated them, the first null; streamed, the prompt comes first."""
+    prompt, n = "def add(a, b):", 12
+    gen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True}).choices[0]
+    scored = client.completions.create(model=MODEL, prompt=prompt + gen.text, max_tokens=1, temperature=0,
+                                       logprobs=2, echo=True).choices[0]
+    lp = scored.logprobs
+    assert scored.text.startswith(prompt + gen.text)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert all(scored.text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset))
+    tail = slice(-1 - n, -1)  # the generated tokens, now in the prompt (the last entry: the new token)
+    assert lp.tokens[tail] == gen.logprobs.tokens
+    assert lp.token_logprobs[tail] == pytest.approx(gen.logprobs.token_logprobs, abs=1e-4)
+    stream = client.completions.create(model=MODEL, prompt=prompt + gen.text, max_tokens=1, temperature=0,
+                                       logprobs=2, echo=True, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text == prompt + gen.text and chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.text for c in chunks) == scored.text
+    assert sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), []) == lp.token_logprobs
+    assert sum((c.logprobs.text_offset for c in chunks if c.logprobs), []) == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert plain.text == prompt + gen.text and plain.logprobs is None
+    # max_tokens 0: the prompt scored, nothing generated, streamed or not
+    only = client.completions.create(model=MODEL, prompt=prompt + gen.text, max_tokens=0, logprobs=2, echo=True)
+    assert only.choices[0].text == prompt + gen.text and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt + gen.text, max_tokens=0,
+                                                              logprobs=2, echo=True, stream=True) if c.choices]
+    assert chunks[0].text == prompt + gen.text and chunks[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    with pytest.raises(openai.BadRequestError) as err:  # 0 generates nothing: only to score a prompt
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
+    assert err.value.body["param"] == "max_tokens"
+
+
 def test_raw_sse_format(server):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
@@ -410,7 +448,7 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs", "invalid_type"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2, "echo": True}, 400, "echo", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, 400, "echo", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "method": "nope"}, 400, "method", "unknown_method"),
     ({"model": MODEL, "prompt": "x", "top_k": -3}, 400, "top_k", "invalid_value"),
     ({"model": MODEL, "prompt": 123}, 400, "prompt", "invalid_type"),

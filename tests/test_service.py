@@ -209,7 +209,8 @@ def test_wrong_types_raise_and_never_strand_an_instance(export_dir):
                           (dict(prompt=None, prompt_ids={5, 6}), "list of token ids"),
                           (dict(stop="\ud800"), "stop is not valid UTF-8 text"),
                           (dict(logprobs=True), "logprobs must be an integer from 0 to 20"),
-                          (dict(logprobs=21), "logprobs must be an integer from 0 to 20")]:
+                          (dict(logprobs=21), "logprobs must be an integer from 0 to 20"),
+                          (dict(prompt_logprobs="yes"), "prompt_logprobs must be True or False")]:
         with pytest.raises(SpecDeployError, match=match):
             svc.request(**{"prompt": "x", **kwargs})
     with pytest.raises(TypeError):  # the pool itself, interrupted in its wait, withdraws the ticket
