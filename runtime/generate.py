@@ -289,7 +289,8 @@ class Generation:
         start = len(self.text)
         if tok in self.eos:
             self.finish_reason = "stop"
-            return TokenEvent(tok, "", self._release(logprob, start, final=True))
+            self.text += self._detok.flush()  # the last event: any held bytes go with it, and their logprobs
+            return TokenEvent(tok, self._delta(final=True), self._release(logprob, start, final=True))
         self.text += self._detok.push(tok)
         if self.stop:
             hits = [i for i in (self.text.find(s, max(0, self._shown - len(s))) for s in self.stop) if i >= 0]
@@ -298,6 +299,7 @@ class Generation:
                 self.finish_reason = "stop"
         if self.finish_reason is None and len(self.new_ids) >= self.max_new:
             self.finish_reason = "length"
+            self.text += self._detok.flush()  # ended inside a character: its bytes go with this last event
         final = self.finish_reason is not None
         delta = self._delta(final)
         return TokenEvent(tok, delta, self._release(logprob, start, final))
@@ -305,8 +307,9 @@ class Generation:
     def _release(self, logprob: TokenLogprob | None, start: int, final: bool) -> tuple[TokenLogprob, ...]:
         """Hold `logprob` (its token's text starts at `start`) until the text shown has passed its
         token's; return those it has passed now (every one when `final`), each with its text offset."""
-        if logprob is not None:
-            self._held.append((len(self.text), dataclasses.replace(logprob, text_offset=start)))
+        if logprob is not None:  # a token whose character is not complete yet ends past the text so far
+            end = len(self.text) + (len(self._detok.ids) > self._detok.read)
+            self._held.append((end, dataclasses.replace(logprob, text_offset=start)))
         if not self._held:
             return ()
         n = len(self._held) if final else next((i for i, (end, _) in enumerate(self._held) if end > self._shown),
@@ -353,8 +356,12 @@ class Generation:
         for _ in self:
             pass
         return GenerationResult(self.text, list(self.new_ids), self.finish_reason or "length", dict(self.stats),
-                                None if self.logprobs is None else list(self.logprobs),
-                                None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                                None if self.logprobs is None else list(self.logprobs), self.scored_prompt())
+
+    def scored_prompt(self) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs when asked for and the whole prompt was prefilled (not when cancelled in it)."""
+        scored = self.prompt_logprobs
+        return list(scored) if scored is not None and len(scored) == self.prompt_len else None
 
 
 def exact_rows_only(export: LoadedExport) -> bool:

@@ -406,9 +406,7 @@ class Request:
     @property
     def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         """One per prompt token (the first None) when asked for, once the prompt is prefilled; else None."""
-        if not self.with_prompt_logprobs or self._gen is None or self._gen.prompt_logprobs is None:
-            return None
-        return list(self._gen.prompt_logprobs)
+        return self._gen.scored_prompt() if self.with_prompt_logprobs and self._gen is not None else None
 
     @property
     def finish_reason(self) -> str:

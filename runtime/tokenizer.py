@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 from pathlib import Path
@@ -75,9 +76,18 @@ class TextTokenizer:
             raise SpecDeployError(f"token ids must be non-negative 32-bit integers, got {bad[:5]}")
         return self.decode_ids(ids)
 
-    def decode_ids(self, ids: list[int]) -> str:
+    def decode_ids(self, ids: list[int], skip_special: bool = True) -> str:
         """decode() of ids a generation produced (the runtime's own: no checks, per streamed token)."""
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def ends_inside_character(self, ids: list[int]) -> bool | None:
+        """Whether the bytes of `ids` end partway through a UTF-8 character (None: this vocabulary's
+        tokens are not bytes, as byte-level BPE's and SentencePiece's are, so it cannot tell)."""
+        if not self._byte_level and not any(_BYTE_PIECE.fullmatch(self.tok.id_to_token(i) or "") for i in ids):
+            return None
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(b"".join(self.token_bytes(i) for i in ids), final=False)
+        return bool(decoder.getstate()[0])
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, alone (OpenAI's logprobs `bytes`: a token may hold part of
@@ -110,35 +120,40 @@ class IncrementalDecoder:
     Decoding the whole output per token is O(n^2). Like vLLM's detokenizer, decode
     from a prefix offset a few tokens back (so decoders that treat a leading space
     specially still see context) and emit what lies beyond the already-read text;
-    an incomplete UTF-8 sequence (trailing U+FFFD) waits for its next byte.
+    an incomplete UTF-8 sequence (trailing U+FFFD) waits for its next byte: where the tokens are
+    bytes, only when their bytes do end inside a character (a U+FFFD that is text, not a
+    stand-in, is shown at once). `skip_special`: special tokens decode to nothing (the default,
+    as generated text shows them) or to their text (an echoed prompt).
     """
 
-    def __init__(self, tokenizer: TextTokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: TextTokenizer, skip_special: bool = True):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.ids: list[int] = []
         self.prefix = self.read = 0
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tokenizer.decode_ids(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode_ids(self.ids[self.prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        before = self.tokenizer.decode_ids(self.ids[self.prefix : self.read], self.skip_special)
+        after = self.tokenizer.decode_ids(self.ids[self.prefix :], self.skip_special)
+        if len(after) <= len(before) or (after.endswith("\ufffd")
+                                         and self.tokenizer.ends_inside_character(self.ids[self.read :]) is not False):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before) :]
 
     def flush(self) -> str:
         """What is still held back at the end (an undecodable tail decodes as U+FFFD)."""
-        before = self.tokenizer.decode_ids(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode_ids(self.ids[self.prefix :])
+        before = self.tokenizer.decode_ids(self.ids[self.prefix : self.read], self.skip_special)
+        after = self.tokenizer.decode_ids(self.ids[self.prefix :], self.skip_special)
         self.prefix = self.read = len(self.ids)
         return after[len(before) :] if len(after) > len(before) else ""
 
 
 def text_and_offsets(tokenizer: TextTokenizer, ids: list[int]) -> tuple[str, list[int]]:
-    """The text of `ids` as a generation streams it (IncrementalDecoder), and where each token's text
-    starts in it: a token that holds part of a character starts where that character does."""
-    detok, text, starts = IncrementalDecoder(tokenizer), "", []
+    """The text of a prompt's `ids`, special tokens written out (an echo shows what the model read), and
+    where each token's text starts in it: a token that holds part of a character starts where that
+    character does."""
+    detok, text, starts = IncrementalDecoder(tokenizer, skip_special=False), "", []
     for tok in ids:
         starts.append(len(text))
         text += detok.push(tok)

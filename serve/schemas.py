@@ -248,14 +248,14 @@ def token_biases(bias: dict | None, vocab: int) -> dict[int, float]:
         raise bad_request(f"'logit_bias' has {len(bias)} entries; at most {MAX_BIASES} are allowed", "logit_bias")
     out = {}
     for key, value in bias.items():
-        # the length first: int() refuses strings past 4,300 digits with a ValueError
-        if not key.isascii() or not key.isdigit() or len(key) > len(str(vocab)) or int(key) >= vocab:
+        digits = key.lstrip("0") or "0"  # int() refuses strings past 4,300 digits (a ValueError): measure first
+        if not key.isascii() or not key.isdigit() or len(digits) > len(str(vocab)) or int(digits) >= vocab:
             raise bad_request(f"invalid 'logit_bias': {key[:40]!r} is not a token id of this model (0 to {vocab - 1})",
                               "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise bad_request(f"invalid 'logit_bias': the bias of token {key} must be a number from -100 to 100 "
+            raise bad_request(f"invalid 'logit_bias': the bias of token {digits} must be a number from -100 to 100 "
                               f"(got {str(value)[:40]})", "logit_bias")
-        out[int(key)] = float(value)
+        out[int(digits)] = float(value)
     return out
 
 

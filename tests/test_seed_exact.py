@@ -159,3 +159,32 @@ def test_penalized_sampling_emits_ars_tokens_for_every_method(micro_all, kw):
             for method, overrides in CASES:
                 assert run(method, overrides) == want, (method, overrides, seed, penalties)
     assert moved >= 6  # the penalties changed what was sampled
+
+
+@pytest.mark.parametrize("method", ["ar", "prompt-lookup", "draft", "eagle"])
+def test_streamed_logprobs_come_with_their_text(micro_all, method):
+    """Each event's logprobs are those of the tokens whose text it completes: never before that text
+    (held behind a possible stop string, or a character still incomplete), none lost, the last event
+    bringing the rest, however the generation ends (length, a stop string, EOS)."""
+    from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.penalties import Penalties
+
+    ids = micro_all.tokenizer.encode(PROMPT)
+    eos = min(micro_all.eos_token_ids)
+    token_text = lambda t: micro_all.tokenizer.decode_ids([t])  # noqa: E731 (special tokens: no text)
+    endings = set()
+    # a bias of 8 on EOS: the micro target ends after two tokens (" self.")
+    for stop, bias in [([], 0.0), (["\x00never-seen"], 0.0), (["\x00never-seen"], 8.0), ([], 8.0), (["(", ":"], 0.0)]:
+        gen = Generation(micro_all, ids, method=method, max_new_tokens=NEW * 2, stop=stop, logprobs=1,
+                         penalties=Penalties(logit_bias={eos: bias}) if bias else None)
+        events = list(gen)
+        shown = listed = 0
+        for i, event in enumerate(events):
+            shown += len(event.text)
+            listed += sum(len(token_text(lp.token_id)) for lp in event.logprobs)
+            if i < len(events) - 1:
+                assert listed <= shown, (method, stop, bias, i)
+        assert [lp.token_id for e in events for lp in e.logprobs] == gen.new_ids
+        assert [lp.token_id for lp in gen.logprobs] == gen.new_ids
+        endings.add(gen.finish_reason if gen.new_ids[-1] != eos else "eos")
+    assert {"length", "eos"} <= endings, endings

@@ -123,3 +123,21 @@ def test_openai_shapes_name_partial_characters_and_keep_the_sampled_token():
     assert first["bytes"] == [0xF0, 0x9F] and first["token"] == "bytes:\\xf0\\x9f" and first["logprob"] == -0.5
     assert [t["token"] for t in chat["content"][2]["top_logprobs"]] == ["<|end|>", " a"]
     assert chat["refusal"] is None and Shape(True, "m").logprobs(None) is None
+
+
+def test_offsets_and_text_of_a_prompt_keep_what_the_model_read(tmp_path):
+    """An echoed prompt writes its special tokens out; each token's offset points at its text there; a
+    U+FFFD that is text is shown at once, not held as if it stood for an incomplete character."""
+    from specdeploy.runtime.tokenizer import IncrementalDecoder, text_and_offsets
+
+    tok = _byte_level_tokenizer(tmp_path)
+    for text in ["héllo <|end|> wörld", "x\ufffdy \ufffd", "日本語 😀 tab\tend"]:
+        ids = tok.encode(text)
+        shown, starts = text_and_offsets(tok, ids)
+        assert shown == text
+        pieces = [tok.token_bytes(i) for i in ids]
+        for piece, start in zip(pieces, starts):
+            if _utf8(piece):  # a whole token's text is where its offset says
+                assert shown[start:start + len(piece.decode())] == piece.decode()
+    detok = IncrementalDecoder(tok)
+    assert "".join(detok.push(i) for i in tok.encode("x\ufffd")) == "x\ufffd"  # shown at once, not held
