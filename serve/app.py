@@ -42,6 +42,7 @@ from ..runtime.pool import BusyError, PoolClosed
 from ..runtime.tokenizer import text_and_offsets
 from .admission import Admission, Admitted
 from .chat import message_dicts
+from .choices import Plan, combined_stats, merged
 from .errors import (
     ApiError,
     InternalErrorMiddleware,
@@ -56,7 +57,7 @@ from .errors import (
 from .header_limit import HeaderLimitMiddleware
 from .limits import ServeLimits
 from .metrics import Metrics, MetricsMiddleware
-from .openai_format import DONE, Shape, public_stats, sse, usage
+from .openai_format import DONE, Shape, sse, usage
 from .ray_failover import PROXY_BODY_KEY
 from .schemas import (
     ChatRequest,
@@ -100,13 +101,14 @@ class _Deadline:
         self.expired = False
         self._timer = None
 
-    def watch(self, run: AsyncRequest) -> None:
+    def watch(self, runs: list[AsyncRequest]) -> None:
         if self.at is not None:
-            self._timer = self.loop.call_at(self.at, self._expire, run)
+            self._timer = self.loop.call_at(self.at, self._expire, runs)
 
-    def _expire(self, run: AsyncRequest) -> None:
+    def _expire(self, runs: list[AsyncRequest]) -> None:
         self.expired = True
-        run.cancel()
+        for run in runs:
+            run.cancel()
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -303,30 +305,38 @@ class Server:
             else:
                 options = self.options(body, await self.completion_prompt(body.prompt), body.max_tokens,
                                        DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
-            run = self._run(request, options)
-            deadline.watch(run)
-            if not await self._start(request, run, deadline):
+            plan = Plan.of(body, options, self.admission.limit)
+            if not admitted.widen(plan.runs - 1):
+                raise busy(f"server busy: the request needs {plan.runs} generations and {self.admission.active} "
+                           f"of {self.admission.limit} are in flight; retry later")
+            runs = [self._run(request, plan.options(options, i)) for i in range(plan.runs)]
+            deadline.watch(runs)
+            if not await self._start(request, runs, deadline, first=bool(body.stream)):
                 return Response(status_code=499)
             echo = text_and_offsets(self.service.tokenizer, options["prompt_ids"])[0] if body.echoes() else None
             shape = Shape(chat, self.model_name, self.service.tokenizer.token_bytes, echo)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                cleanup = _Cleanup(run, deadline, admitted)
+                cleanup = _Cleanup(runs, deadline, admitted)
                 admitted = None  # the stream owns it now
-                return StreamingResponse(self.stream(request, run, shape, include_usage, arrived, deadline, cleanup),
+                return StreamingResponse(self.stream(request, runs, plan, shape, include_usage, arrived, deadline,
+                                                     cleanup),
                                          media_type="text/event-stream", background=BackgroundTask(cleanup),
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             try:
-                await _unless_disconnected(request, run.result(), run)
+                await _unless_disconnected(request, _all(run.result() for run in runs), runs)
             except _ClientGone:
                 return Response(status_code=499)
             except Exception as exc:
                 raise self.failure(request, exc) from None
             if deadline.expired:
                 raise deadline.error()
-            req = run.request
-            return JSONResponse(shape.response(req.text, req.finish_reason, self.usage(req), public_stats(req.stats),
-                                               req.logprobs, _prompt(req)))
+            reqs = [run.request for run in runs]
+            choices = [shape.choice(i, reqs[k].text, reqs[k].finish_reason,
+                                    reqs[k].logprobs if plan.shows_logprobs else None, _prompt(reqs[k]))
+                       for i, k in enumerate(plan.chosen(reqs))]
+            usage_ = usage(len(options["prompt_ids"]), plan.completion_tokens(reqs))
+            return JSONResponse(shape.response(choices, usage_, combined_stats(reqs)))
         except _Overrun as overrun:
             held, admitted = admitted, None
             deadline.stop()
@@ -348,17 +358,29 @@ class Server:
         self.runs.add(run)
         return run
 
-    async def _start(self, request: Request, run: AsyncRequest, deadline: _Deadline) -> bool:
-        """Wait for a worker; False if the client went away meanwhile."""
+    async def _start(self, request: Request, runs: list[AsyncRequest], deadline: _Deadline,
+                     first: bool = False) -> bool:
+        """Wait for a worker (a batch row) for every generation, or with `first` (a stream, which shows each
+        choice as it comes) for the first to get one, the others starting as workers free up; False if
+        the client went away meanwhile. One refused ends them all."""
+        starts = [asyncio.ensure_future(run.start()) for run in runs]
+        for start in starts:  # those not awaited here raise again in the stream (AsyncRequest.batches)
+            start.add_done_callback(_retrieve)
+        waiting = asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED if first else asyncio.ALL_COMPLETED)
         try:
-            started = await _unless_disconnected(request, run.start(), run)
+            done, _ = await _unless_disconnected(request, waiting, runs)
         except _ClientGone:
             return False
-        except Exception as exc:
-            raise self.failure(request, exc) from None
-        if not started and deadline.expired:
-            raise deadline.error()
-        return started
+        refused = next((start.exception() for start in done if start.exception() is not None), None)
+        if refused is not None or not all(start.result() for start in done):
+            for run in runs:
+                run.cancel()
+            if refused is not None:
+                raise self.failure(request, refused) from None
+            if deadline.expired:
+                raise deadline.error()
+            return False
+        return True
 
     def failure(self, request: Request, exc: Exception) -> ApiError:
         """What to tell the client about an exception raised while queueing or generating."""
@@ -372,35 +394,40 @@ class Server:
         log.error("request %s: internal error while generating", request_id, exc_info=exc)
         return internal(f"internal error while generating (request id {request_id}; details in the server log)")
 
-    async def stream(self, request: Request, run: AsyncRequest, shape: Shape, include_usage: bool, arrived: float,
-                     deadline: _Deadline, cleanup: "_Cleanup"):
-        req, first, ended = run.request, True, False
+    async def stream(self, request: Request, runs: list[AsyncRequest], plan: Plan, shape: Shape,
+                     include_usage: bool, arrived: float, deadline: _Deadline, cleanup: "_Cleanup"):
+        reqs, first, ended = [run.request for run in runs], True, False
+        # the choices each generation shows (all of them where one greedy generation answers n)
+        shows = {k: [i for i in range(plan.n) if plan.run_of(i) == k] for k in range(len(runs))}
         try:
             try:
                 if shape.chat:
-                    yield shape.chunk(None, role=True)
+                    yield "".join(shape.chunk(None, role=True, index=i) for i in range(plan.n))
                 # a token's logprobs ride with the chunk that carries its text (runtime/generate.py holds them
                 # back with it); those of a token without text (EOS) in a chunk of no text
-                wants = req.top_logprobs is not None
-                echo = shape.echo is not None  # the prompt's text first, once it is prefilled (with its logprobs)
-                async for batch in run.batches():  # one write per batch of ready tokens
-                    pieces = [shape.chunk(event.text, logprobs=event.logprobs if wants else None) for event in batch
-                              if event.text or wants and event.logprobs]
-                    if echo:
-                        pieces.insert(0, shape.echo_chunk(_prompt(req)))
-                        echo = False
+                wants = plan.shows_logprobs
+                echo = set(range(len(runs))) if shape.echo is not None else set()  # the prompt's text first, once
+                async for k, batch in merged(runs):  # one write per batch of ready tokens
+                    req = reqs[k]
+                    pieces = []
+                    if k in echo and (batch is None or batch):  # prefilled (or ended: max_tokens 0, or cancelled)
+                        pieces += [shape.echo_chunk(_prompt(req), i) for i in shows[k]]
+                        echo.discard(k)
+                    if batch is None:  # this generation ended
+                        if deadline.expired:
+                            raise deadline.error()
+                        pieces += [shape.chunk(None, req.finish_reason, index=i) for i in shows[k]]
+                    else:
+                        pieces += [shape.chunk(event.text, logprobs=event.logprobs if wants else None, index=i)
+                                   for event in batch if event.text or wants and event.logprobs for i in shows[k]]
                     if pieces:
-                        if first:
+                        if first and batch is not None:
                             self.metrics.ttft.labels(request.url.path).observe(time.perf_counter() - arrived)
                             first = False
                         yield "".join(pieces)
-                if deadline.expired:
-                    raise deadline.error()
-                if echo:  # no token came: max_tokens 0 (the prompt scored), or cancelled in the prefill
-                    yield shape.echo_chunk(_prompt(req))
-                yield shape.chunk(None, req.finish_reason)
                 if include_usage:
-                    yield shape.usage_chunk(self.usage(req), public_stats(req.stats))
+                    yield shape.usage_chunk(usage(len(reqs[0].prompt_ids), plan.completion_tokens(reqs)),
+                                            combined_stats(reqs))
             except Exception as exc:  # headers are gone: report in-band, as OpenAI does, then end as usual
                 error = self.failure(request, exc)
                 request.state.outcome = error.status
@@ -412,10 +439,6 @@ class Server:
                 request.state.outcome = 499
             cleanup()
 
-    @staticmethod
-    def usage(req) -> dict:
-        return usage(len(req.prompt_ids), len(req.token_ids))
-
 
 def _prompt(req) -> tuple | None:
     """(prompt ids, their logprobs) of a request that asked for them (an echo with logprobs), once prefilled."""
@@ -426,11 +449,12 @@ def _prompt(req) -> tuple | None:
 class _Cleanup:
     """Ends a streamed request's hold on everything; safe to call twice (stream end and background task)."""
 
-    def __init__(self, run: AsyncRequest, deadline: _Deadline, admitted: Admitted):
-        self.run, self.deadline, self.admitted = run, deadline, admitted
+    def __init__(self, runs: list[AsyncRequest], deadline: _Deadline, admitted: Admitted):
+        self.runs, self.deadline, self.admitted = runs, deadline, admitted
 
     def __call__(self) -> None:
-        self.run.cancel()
+        for run in self.runs:
+            run.cancel()
         self.deadline.stop()
         self.admitted.release()
 
@@ -460,6 +484,18 @@ class _ShutdownCutoffMiddleware:
                 await shutting_down().response()(scope, receive, send)
 
 
+async def _all(awaitables):
+    """asyncio.gather in a task: cancelled (the client went away), it takes its own outcome rather than leaving
+    a gathering future whose cancellation nobody retrieved (asyncio logs those, with a traceback)."""
+    return await asyncio.gather(*awaitables)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Done callback: takes a future's outcome, so that an exception nobody awaits is not logged as lost."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _release_after(work: asyncio.Future, admitted: Admitted) -> None:
     """Done callback of an overrun's work: frees its admission and takes its outcome (nobody awaits it)."""
     admitted.release()
@@ -467,21 +503,23 @@ def _release_after(work: asyncio.Future, admitted: Admitted) -> None:
         work.exception()
 
 
-async def _unless_disconnected(request: Request, awaitable, run: AsyncRequest):
-    """Await `awaitable`, but cancel the run and raise _ClientGone if the client disconnects first."""
+async def _unless_disconnected(request: Request, awaitable, runs: list[AsyncRequest]):
+    """Await `awaitable`, but cancel the runs and raise _ClientGone if the client disconnects first."""
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        run.cancel()
+        for run in runs:
+            run.cancel()
         task.cancel()
         raise
     finally:
         watcher.cancel()
     if task in done:
         return task.result()
-    run.cancel()
+    for run in runs:
+        run.cancel()
     task.cancel()
     raise _ClientGone()
 
@@ -505,6 +543,10 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
             vocab = server.service.meta.manifest.models["target"].vocab_size
             fields["prompt"]["anyOf"][1]["items"]["maximum"] = vocab - 1
         fields["method"] = {"anyOf": [{"type": "string", "enum": [AUTO, *server.service.methods]}, {"type": "null"}]}
+        for name in ("n", "best_of"):  # serve/choices.py
+            if name in fields:
+                fields[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": server.admission.limit},
+                                          {"type": "null"}]}
         if server.limits.max_tokens is not None:
             for name in ("max_tokens", "max_completion_tokens"):
                 if name in fields:

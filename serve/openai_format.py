@@ -32,9 +32,9 @@ class Shape:
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def response(self, text: str, finish_reason: str, usage: dict, stats: dict,
-                 logprobs: Sequence[TokenLogprob] | None = None, prompt: tuple | None = None) -> dict:
-        """`prompt`: (its token ids, their logprobs) for an echo with logprobs."""
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: Sequence[TokenLogprob] | None = None,
+               prompt: tuple | None = None) -> dict:
+        """One choice of a full response; `prompt`: (its token ids, their logprobs) for an echo with logprobs."""
         shown = self.logprobs(logprobs)
         if self.echo is not None:
             text = self.echo + text
@@ -42,26 +42,30 @@ class Shape:
             if shown is not None and before is not None:
                 shown = {key: before[key] + shown[key] for key in shown}
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": shown,
-                      "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice], usage=usage, specdeploy=stats)
-        choice = {"index": 0, "text": text, "logprobs": shown, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage, specdeploy=stats)
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": shown,
+                    "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}
+
+    def response(self, choices: list[dict], usage: dict, stats: dict) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, choices, usage=usage, specdeploy=stats)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              logprobs: Sequence[TokenLogprob] | None = None) -> str:
-        """One stream chunk; `logprobs`: those of the tokens whose text it carries (None: not asked for)."""
+              logprobs: Sequence[TokenLogprob] | None = None, index: int = 0) -> str:
+        """One stream chunk of choice `index`; `logprobs`: those of the tokens whose text it carries (None: not
+        asked for)."""
         shown = self.logprobs(logprobs)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
             return sse(self._envelope("chat.completion.chunk", [choice]))
-        choice = {"index": 0, "text": text or "", "logprobs": shown, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": shown, "finish_reason": finish_reason}
         return sse(self._envelope("text_completion", [choice]))
 
-    def echo_chunk(self, prompt: tuple | None) -> str:
-        """A stream's first chunk when it echoes: the prompt's text (and its logprobs: `prompt` as in response)."""
-        choice = {"index": 0, "text": self.echo, "logprobs": self.prompt_logprobs(*prompt) if prompt else None,
+    def echo_chunk(self, prompt: tuple | None, index: int = 0) -> str:
+        """A stream's first chunk of choice `index` when it echoes: the prompt's text (and its logprobs: `prompt`
+        as in choice)."""
+        choice = {"index": index, "text": self.echo, "logprobs": self.prompt_logprobs(*prompt) if prompt else None,
                   "finish_reason": None}
         return sse(self._envelope("text_completion", [choice]))
 

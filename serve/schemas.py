@@ -2,7 +2,7 @@
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 when set to a
 non-default value rather than silently ignored (`unsupported()`): what changes the output
-(n, best_of, suffix) or asks for a capability the model
+(the completions' suffix: insertion) or asks for a capability the model
 does not have here (tools and the legacy functions/function_call, response_format, audio
 output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself refuses it for
 a model that does not reason). Accepted and ignored, as they change nothing in the text
@@ -14,7 +14,8 @@ that only speeds up a matching output). Extensions: `method`, `top_k`, `ignore_e
 `logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
 target's own log probabilities, whichever method drafted (runtime/logprobs.py); so is the
 completions' `echo` (the prompt's text before the completion's, and with `logprobs` the prompt
-tokens' too, the first null: what evaluation harnesses score a text by).
+tokens' too, the first null: what evaluation harnesses score a text by). So are `n` and the
+completions' `best_of` (serve/choices.py).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class _Common(BaseModel):
 
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, is set to something this server cannot do)."""
-        return [("n", self.n not in (None, 1))]
+        return []
 
     def alternatives(self) -> int | None:
         """How many alternatives per token the response's logprobs list; None: no logprobs."""
@@ -81,7 +82,7 @@ class CompletionRequest(_Common):
         {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]})
     echo: Optional[bool] = None
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)  # alternatives per token (OpenAI's legacy API: up to 5)
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(None, ge=1)  # candidates generated, the n likeliest returned (serve/choices.py)
     suffix: Optional[str] = None
 
     def alternatives(self) -> int | None:
@@ -91,7 +92,7 @@ class CompletionRequest(_Common):
         return bool(self.echo)
 
     def unsupported(self):
-        return super().unsupported() + [("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))]
+        return super().unsupported() + [("suffix", bool(self.suffix))]
 
 
 # OpenAI's roles (function, deprecated, aside); the chat template decides what it renders of them.
@@ -140,10 +141,8 @@ class ChatRequest(_Common):
 # What the OpenAPI document allows for the fields `unsupported()` refuses otherwise.
 _NULL = {"type": "null"}
 SERVED_VALUES = {
-    "n": {"anyOf": [{"const": 1}, _NULL]},
     "logit_bias": {"anyOf": [{"type": "object", "maxProperties": MAX_BIASES, "propertyNames": {"pattern": "^[0-9]+$"},
                               "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, _NULL]},
-    "best_of": {"anyOf": [{"const": 1}, _NULL]},
     "suffix": {"anyOf": [{"const": ""}, _NULL]},
     "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
     "tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, _NULL]},

@@ -240,7 +240,15 @@ def test_the_server_batches_concurrent_requests_losslessly(batched_export, servi
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(complete, jobs))
         assert srv.health()["pool_size"] == 3
+        # a request's n choices are rows of the batch too: each is its candidate seed's batch-1 answer
+        body = dict(model="micro", prompt="the cat sat on", max_tokens=8, temperature=0.9, seed=5, n=3, method="draft",
+                    sampling="seeded", ignore_eos=True)
+        choices = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["choices"]
     assert got == want
+    from specdeploy.serve.choices import candidate_seed
+    assert [c["text"] for c in choices] == [
+        alone.generate(body["prompt"], method="ar", max_new_tokens=8, temperature=0.9, seed=candidate_seed(5, i),
+                       ignore_eos=True).text for i in range(3)]
 
 
 def test_rows_stay_lossless_whatever_draft_size_the_policy_picks(batched_export, services, monkeypatch):

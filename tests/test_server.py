@@ -373,6 +373,108 @@ def test_sampling_scheme_is_chosen_per_request(client):
     assert isinstance(text("draft", "rejection"), str)
 
 
+# ------------------------------------------------------------------------------ n and best_of
+
+
+def _completion(srv, **body) -> dict:
+    resp = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", **body},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.mark.parametrize("method", ["ar", "draft"])
+def test_n_sampled_choices_each_replay_their_own_seed(server, method):
+    """Choice 0 is the request's answer for its seed, choice i the answer for candidate i's derived seed,
+    whatever the method; the request replays exactly."""
+    from specdeploy.serve.choices import candidate_seed
+
+    seed, common = 31, dict(max_tokens=16, temperature=1.5, top_k=40, ignore_eos=True, method=method, sampling="seeded")
+    out = _completion(server, n=3, seed=seed, **common)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in out["choices"]]
+    seeds = [candidate_seed(seed, i) for i in range(3)]
+    assert seeds[0] == seed and len(set(seeds)) == 3
+    alone = [_completion(server, seed=s, **{**common, "method": "ar"})["choices"][0]["text"] for s in seeds]
+    assert texts == alone
+    assert len(set(texts)) > 1  # different seeds, different samples (16 tokens at temperature 1.5)
+    assert out["usage"]["completion_tokens"] == 48 and out["usage"]["prompt_tokens"] == \
+        _completion(server, seed=seed, **common)["usage"]["prompt_tokens"]
+    assert [c["text"] for c in _completion(server, n=3, seed=seed, **common)["choices"]] == texts
+
+
+def test_greedy_n_generates_once(server):
+    one = _completion(server, max_tokens=12, temperature=0, method="draft")
+    many = _completion(server, n=4, max_tokens=12, temperature=0, method="draft")
+    assert [c["text"] for c in many["choices"]] == [one["choices"][0]["text"]] * 4
+    assert many["usage"]["completion_tokens"] == 4 * one["usage"]["completion_tokens"]
+    assert many["specdeploy"]["target_calls"] == one["specdeploy"]["target_calls"]  # one generation, shown 4 times
+
+
+def test_n_streams_each_choice_as_it_answers_alone(server, client):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    common = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0.9, seed=8, n=3,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**common, logprobs=True)
+    chunks = list(client.chat.completions.create(**common, logprobs=True, stream=True,
+                                                 stream_options={"include_usage": True}))
+    for i, choice in enumerate(full.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"  # each choice opens with its role, and ends with its finish
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason] == ["length"]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [t.logprob for c in mine if c.logprobs for t in c.logprobs.content] == \
+            [t.logprob for t in choice.logprobs.content]
+    assert all(len(c.choices) == 1 for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 60
+    assert len({c.message.content for c in full.choices}) > 1
+
+
+def test_best_of_returns_the_likeliest_candidates(server):
+    """best_of candidates are ranked by their mean token logprob; logprobs are shown only if asked for."""
+    from specdeploy.serve.choices import candidate_seed
+
+    seed, common = 12, dict(max_tokens=10, temperature=1.2, ignore_eos=True)
+    candidates = [_completion(server, seed=candidate_seed(seed, i), logprobs=0, **common)["choices"][0]
+                  for i in range(4)]
+    means = [sum(c["logprobs"]["token_logprobs"]) / 10 for c in candidates]
+    ranked = [candidates[i]["text"] for i in sorted(range(4), key=lambda i: -means[i])]
+    best = _completion(server, seed=seed, best_of=4, n=2, **common)
+    assert [c["text"] for c in best["choices"]] == ranked[:2] and [c["index"] for c in best["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in best["choices"])
+    assert best["usage"]["completion_tokens"] == 40  # every candidate was generated
+    shown = _completion(server, seed=seed, best_of=4, logprobs=1, **common)["choices"]
+    assert len(shown) == 1 and shown[0]["text"] == ranked[0] and len(shown[0]["logprobs"]["tokens"]) == 10
+
+
+def test_n_past_the_servers_generations_is_refused(tight_server):
+    """A request of n generations holds n places: past the limit a 400, while others hold them a 429."""
+    client = make_client(tight_server)  # one worker and one queue slot: 2 generations at once
+    _wait_idle(tight_server)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3, temperature=0)
+    assert err.value.body["param"] == "n" and "at most 2" in err.value.body["message"]
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=LONG, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    with pytest.raises(openai.RateLimitError) as busy:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2, temperature=0.5)
+    assert "needs 2 generations" in busy.value.body["message"]
+    stream.close()
+    _wait_idle(tight_server)
+    two = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, n=2, temperature=0.5, seed=1)
+    assert len(two.choices) == 2 and two.usage.completion_tokens == 6
+    # a streamed n=2 (one choice generating, one queued behind it) that its client drops frees both places
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=LONG, n=2, temperature=0.5,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert tight_server.health()["waiting"] == 1
+    stream.close()
+    _wait_idle(tight_server)
+    assert tight_server.health()["in_flight"] == 0
+
+
 # ------------------------------------------------------------------------------ concurrency
 
 
@@ -431,7 +533,13 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "sampling": "lucky"}, 400, "sampling", "invalid_value"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "n": 10**6}, 400, "n", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "n": "2"}, 400, "n", "invalid_type"),
+    ({"model": MODEL, "prompt": "x", "best_of": 0}, 400, "best_of", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "best_of": 10**6, "temperature": 0}, 400, "best_of", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": "high"}, 400, "presence_penalty", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
