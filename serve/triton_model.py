@@ -8,9 +8,13 @@ at a time as its pool (the Service's queue holds more, up to its limit).
 
 Inputs follow Triton's LLM backends (TensorRT-LLM, vLLM): `text_input` or `input_ids`;
 optional `max_tokens`, `temperature` (default 0: greedy), `top_k`, `top_p`, `random_seed`,
-`stop_words`, `stream` (default false), and the extensions `method` and `ignore_eos`.
+`stop_words`, `repetition_penalty`, `presence_penalty`, `frequency_penalty` (runtime/penalties.py),
+`return_log_probs`, `stream` (default false), and the extensions `method` and `ignore_eos`.
 Outputs: `text_output` and `output_ids` (with `stream`, one response per token, then a last
 one with empty text and ids), and in the last response `finish_reason` and `stats` (JSON).
+With `return_log_probs`, `output_log_probs` (each token's log probability, the target's:
+runtime/logprobs.py; streamed, a response carries those of the tokens whose text it carries, so
+over the stream they line up with `output_ids`) and, last, `cum_log_probs` (their sum).
 A bad request gets one error response (Triton's INVALID_ARG; UNAVAILABLE when full).
 """
 
@@ -82,15 +86,25 @@ def request_options(request) -> tuple[dict, bool]:
     options["seed"] = _scalar(request, "random_seed", int, None)
     options["ignore_eos"] = _scalar(request, "ignore_eos", bool, False)
     options["method"] = _scalar(request, "method", str, None) or None
+    options["repetition_penalty"] = _scalar(request, "repetition_penalty", float, 1.0)
+    options["presence_penalty"] = _scalar(request, "presence_penalty", float, 0.0)
+    options["frequency_penalty"] = _scalar(request, "frequency_penalty", float, 0.0)
+    options["logprobs"] = 0 if _scalar(request, "return_log_probs", bool, False) else None
     stop = _tensor(request, "stop_words")
     if stop is not None:
         options["stop"] = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop.reshape(-1) if s]
     return options, _scalar(request, "stream", bool, False)
 
 
-def _response(text: str, ids: list[int], finish_reason: str | None = None, stats: dict | None = None):
+def _response(text: str, ids: list[int], finish_reason: str | None = None, stats: dict | None = None,
+              logprobs: list[float] | None = None, cumulative: float | None = None):
+    """`logprobs`: output_log_probs (asked for: return_log_probs); `cumulative`: cum_log_probs (the last response)."""
     tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
                pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32))]
+    if logprobs is not None:
+        tensors.append(pb_utils.Tensor("output_log_probs", np.array(logprobs, dtype=np.float32)))
+    if cumulative is not None:
+        tensors.append(pb_utils.Tensor("cum_log_probs", np.array([cumulative], dtype=np.float32)))
     if finish_reason is not None:
         tensors.append(pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)))
         tensors.append(pb_utils.Tensor("stats", np.array([json.dumps(stats or {}).encode()], dtype=np.object_)))
@@ -148,6 +162,7 @@ class TritonPythonModel:
     def _run(self, req, sender, stream: bool) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         checked = time.monotonic()
+        wants = req.top_logprobs is not None  # return_log_probs
         try:
             with req:  # frees the worker however this ends
                 for event in req:
@@ -157,9 +172,13 @@ class TritonPythonModel:
                             req.cancel()
                             break
                     if stream:
-                        sender.send(_response(event.text, [event.token_id]))
+                        shown = [t.logprob for t in event.logprobs] if wants else None
+                        sender.send(_response(event.text, [event.token_id], logprobs=shown))
                 text, ids = ("", []) if stream else (req.text, req.token_ids)
-                sender.send(_response(text, ids, req.finish_reason, public_stats(req.stats)), flags=final)
+                every = [t.logprob for t in req.logprobs or ()] if wants else None
+                shown = None if every is None else [] if stream else every
+                sender.send(_response(text, ids, req.finish_reason, public_stats(req.stats), shown,
+                                      None if every is None else float(sum(every))), flags=final)
         except self.BusyError as exc:
             _send_quietly(sender, _error(str(exc), "UNAVAILABLE"), final)
         except Exception as exc:

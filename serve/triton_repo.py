@@ -29,9 +29,13 @@ HERE = Path(__file__).resolve().parent
 INPUTS = [("text_input", "TYPE_STRING", [1]), ("input_ids", "TYPE_INT32", [-1]), ("max_tokens", "TYPE_INT32", [1]),
           ("temperature", "TYPE_FP32", [1]), ("top_k", "TYPE_INT32", [1]), ("top_p", "TYPE_FP32", [1]),
           ("random_seed", "TYPE_UINT64", [1]), ("stop_words", "TYPE_STRING", [-1]), ("ignore_eos", "TYPE_BOOL", [1]),
-          ("method", "TYPE_STRING", [1]), ("stream", "TYPE_BOOL", [1])]
+          ("method", "TYPE_STRING", [1]), ("stream", "TYPE_BOOL", [1]), ("repetition_penalty", "TYPE_FP32", [1]),
+          ("presence_penalty", "TYPE_FP32", [1]), ("frequency_penalty", "TYPE_FP32", [1]),
+          ("return_log_probs", "TYPE_BOOL", [1])]
+# output_log_probs and cum_log_probs come only with return_log_probs, finish_reason and stats in the last response
 OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]),
-           ("finish_reason", "TYPE_STRING", [1]), ("stats", "TYPE_STRING", [1])]
+           ("finish_reason", "TYPE_STRING", [1]), ("stats", "TYPE_STRING", [1]),
+           ("output_log_probs", "TYPE_FP32", [-1]), ("cum_log_probs", "TYPE_FP32", [1])]
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 
 

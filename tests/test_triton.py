@@ -90,13 +90,21 @@ def expected(micro_export):
     svc = Service.load(micro_export, warmup=False)
     greedy = svc.generate(PROMPT, max_new_tokens=MAX_TOKENS, temperature=0)
     sampled = svc.generate(PROMPT, max_new_tokens=MAX_TOKENS, temperature=0.8, top_k=20, seed=7)
-    return {"greedy": greedy, "sampled": sampled, "prompt_ids": svc.tokenizer.encode(PROMPT)}
+    penalized = svc.generate(PROMPT, max_new_tokens=MAX_TOKENS, temperature=0, logprobs=0, **PENALTIES)
+    return {"greedy": greedy, "sampled": sampled, "prompt_ids": svc.tokenizer.encode(PROMPT), "penalized": penalized}
+
+
+# float32 on the wire, as Triton's tensors carry them
+PENALTIES = dict(repetition_penalty=float(np.float32(1.3)), presence_penalty=float(np.float32(0.5)),
+                 frequency_penalty=float(np.float32(0.25)))
 
 
 def inputs(module, prompt: str | None = PROMPT, ids: list[int] | None = None, stream: bool | None = None, **params):
     """Triton inputs as Triton's LLM backends name them."""
     types = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32),
-             "top_p": ("FP32", np.float32), "random_seed": ("UINT64", np.uint64)}
+             "top_p": ("FP32", np.float32), "random_seed": ("UINT64", np.uint64),
+             "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
+             "frequency_penalty": ("FP32", np.float32), "return_log_probs": ("BOOL", bool)}
     out = []
 
     def add(name, dtype, value):
@@ -172,11 +180,44 @@ def test_grpc_streaming_through_the_decoupled_model(triton, expected):
     assert json.loads(final.as_numpy("stats")[0])["new_tokens"] == MAX_TOKENS
 
 
+def test_penalties_and_log_probs_are_the_runtimes(triton, expected):
+    """TensorRT-LLM's penalty inputs and return_log_probs, plain and streamed: the runtime's tokens and numbers."""
+    want = expected["penalized"]
+    assert want.token_ids != expected["greedy"].token_ids  # the penalties change this answer
+    logprobs = [t.logprob for t in want.logprobs]
+    result = thttp.InferenceServerClient(triton["http"]).infer("micro", inputs(thttp, return_log_probs=True,
+                                                                                 **PENALTIES))
+    assert result.as_numpy("output_ids").tolist() == want.token_ids
+    assert result.as_numpy("output_log_probs").tolist() == pytest.approx(logprobs, abs=1e-5)
+    assert result.as_numpy("cum_log_probs")[0] == pytest.approx(sum(logprobs), abs=1e-4)
+    plain = thttp.InferenceServerClient(triton["http"]).infer("micro", inputs(thttp))
+    assert plain.as_numpy("output_log_probs") is None and plain.as_numpy("cum_log_probs") is None
+
+    c = tgrpc.InferenceServerClient(triton["grpc"])
+    events: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        c.async_stream_infer("micro_stream", inputs(tgrpc, stream=True, return_log_probs=True, **PENALTIES))
+        ids, streamed, final = [], [], None
+        while final is None:
+            result, error = events.get(timeout=60)
+            assert error is None, error
+            ids += result.as_numpy("output_ids").tolist()
+            streamed += result.as_numpy("output_log_probs").tolist()
+            if result.as_numpy("finish_reason") is not None:
+                final = result
+    finally:
+        c.stop_stream()
+    assert ids == want.token_ids and streamed == pytest.approx(logprobs, abs=1e-5)
+    assert final.as_numpy("cum_log_probs")[0] == pytest.approx(sum(logprobs), abs=1e-4)
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(prompt=None), "give exactly one of 'text_input' or 'input_ids'"),
     (dict(temperature=-1.0), "temperature must be"),
     (dict(max_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(ids=[1, 2]), "give exactly one of"),  # both text and ids
+    (dict(repetition_penalty=0.0), "repetition_penalty must be"),
 ])
 def test_bad_inputs_get_a_clear_error(triton, bad, message):
     with pytest.raises(InferenceServerException, match=message):
