@@ -49,7 +49,7 @@ class Plan:
     def of(cls, body, options: dict, limit: int) -> "Plan":
         """The request's plan, checked against the generations the server admits at once (`limit`)."""
         n = body.n or 1
-        best_of = getattr(body, "best_of", None)
+        best_of = body.ranked()
         candidates = n if best_of is None else best_of
         param = "n" if best_of is None else "best_of"
         if candidates < n:

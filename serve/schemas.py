@@ -76,6 +76,10 @@ class _Common(BaseModel):
         """Whether the response begins with the prompt (completions' `echo`)."""
         return False
 
+    def ranked(self) -> int | None:
+        """Candidates to rank for the n returned (completions' `best_of`); None: the n choices themselves."""
+        return None
+
 
 class CompletionRequest(_Common):
     prompt: Any = Field(json_schema_extra={"anyOf": [  # a string, token ids, or a one-element list of either
@@ -87,6 +91,9 @@ class CompletionRequest(_Common):
 
     def alternatives(self) -> int | None:
         return self.logprobs
+
+    def ranked(self) -> int | None:
+        return self.best_of
 
     def echoes(self) -> bool:
         return bool(self.echo)

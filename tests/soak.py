@@ -215,6 +215,8 @@ class Client:
             body["prompt"] = rng.choice(PROMPTS)
         if stream:
             body["stream_options"] = {"include_usage": True}  # the token count
+        if rng.random() < 0.15:
+            body["n"] = 2  # two generations under one admission (serve/choices.py): both freed however it ends
         return body
 
     def send_good(self) -> None:
@@ -237,7 +239,7 @@ class Client:
                 events, done = _events(lines)
             errors = [e for e in events if "error" in e]
             finish = [c.get("finish_reason") for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
-            if errors or not done or finish not in (["length"], ["stop"]):
+            if errors or not done or len(finish) != body.get("n", 1) or not set(finish) <= {"length", "stop"}:
                 self.tally.problem(f"stream {path} {body['method']}: errors {errors}, done {done}, finish {finish}")
             usage = [e["usage"] for e in events if e.get("usage")]
             tokens = usage[-1]["completion_tokens"] if usage else 0
@@ -247,8 +249,9 @@ class Client:
                 self._unexpected(body, resp)
                 return
             answer = resp.json()
-            if answer["choices"][0]["finish_reason"] not in ("length", "stop"):
-                self.tally.problem(f"{path} {body['method']}: finish {answer['choices'][0]['finish_reason']}")
+            finish = [c["finish_reason"] for c in answer["choices"]]
+            if len(finish) != body.get("n", 1) or not set(finish) <= {"length", "stop"}:
+                self.tally.problem(f"{path} {body['method']}: finish {finish}")
             tokens = answer["usage"]["completion_tokens"]
         latency = time.perf_counter() - t0
         self._count("stream" if stream else "non-stream", 200)
