@@ -109,7 +109,7 @@ def cmd_generate(args) -> int:
     from .runtime.sampling import SamplingParams
 
     use_shared_threads(args.threads)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.sampling)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.sampling, args.min_p)
     stop = [_text(s, "--stop") for s in args.stop or []]  # worded as --prompt's error, not the API's
     export = LoadedExport(args.out, backend=args.backend, flavor=args.graphs)
     ids = _prompt_ids(export, args)
@@ -358,10 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this times as likely as the "
+                   "likeliest (after temperature, top-k and top-p, as HF transformers; 0: off)")
     g.add_argument("--seed", type=int, help="sampling seed (default: a fresh one, reported in --json stats)")
     g.add_argument("--sampling", choices=["seeded", "rejection"],
                    help="seeded: every method emits ar's tokens for a seed; rejection: recursive rejection "
-                   "sampling (default: seeded, rejection for the draft model)")
+                   "sampling (default: seeded; rejection for the draft model when no --seed is given)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="HF transformers' repetition_penalty over prompt and output tokens (> 0; 1: none)")
     g.add_argument("--frequency-penalty", type=float, default=0.0,

@@ -34,6 +34,9 @@ class TokenEvent:
     # when the request asked for logprobs: those of the tokens whose text this event's delta completes
     # (a token's text held back behind a possible stop string brings its logprobs later, with it)
     logprobs: tuple[TokenLogprob, ...] = ()
+    # when it asked for them: token_id's own log probability, at once (an API that pairs each token with
+    # its number, as Triton's output_ids and output_log_probs, rather than with its text); None otherwise
+    logprob: float | None = None
 
 
 @dataclass
@@ -159,8 +162,10 @@ class Generation:
         self.eos = set() if ignore_eos else export.eos_token_ids
         # No seed: draw one, so every request samples the same way (runtime/sampling.py), and report it.
         seed = fresh_seed() if self.params.seed is None else self.params.seed
-        scheme = "greedy" if self.params.greedy else (
-            self.params.sampling or getattr(self.drafter, "default_sampling", "seeded"))
+        # A seed asks for a replayable answer: seed-exact for every method. Without one, the method's default
+        # (the draft model's is rejection sampling, which accepts more: Drafter.default_sampling).
+        scheme = "greedy" if self.params.greedy else self.params.sampling or (
+            "seeded" if self.params.seed is not None else getattr(self.drafter, "default_sampling", "seeded"))
         if penalties is not None:
             penalties.check_vocab(export.manifest.models["target"].vocab_size)
         self.penalty = PenaltyContext(penalties, prompt_ids) if penalties is not None and penalties.active else None
@@ -290,7 +295,8 @@ class Generation:
         if tok in self.eos:
             self.finish_reason = "stop"
             self.text += self._detok.flush()  # the last event: any held bytes go with it, and their logprobs
-            return TokenEvent(tok, self._delta(final=True), self._release(logprob, start, final=True))
+            return TokenEvent(tok, self._delta(final=True), self._release(logprob, start, final=True),
+                              None if logprob is None else logprob.logprob)
         self.text += self._detok.push(tok)
         if self.stop:
             hits = [i for i in (self.text.find(s, max(0, self._shown - len(s))) for s in self.stop) if i >= 0]
@@ -302,7 +308,8 @@ class Generation:
             self.text += self._detok.flush()  # ended inside a character: its bytes go with this last event
         final = self.finish_reason is not None
         delta = self._delta(final)
-        return TokenEvent(tok, delta, self._release(logprob, start, final))
+        own = None if logprob is None else logprob.logprob
+        return TokenEvent(tok, delta, self._release(logprob, start, final), own)
 
     def _release(self, logprob: TokenLogprob | None, start: int, final: bool) -> tuple[TokenLogprob, ...]:
         """Hold `logprob` (its token's text starts at `start`) until the text shown has passed its

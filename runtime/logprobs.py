@@ -4,7 +4,8 @@ A token's log probability is the target's log-softmax at the row that chose it: 
 for the first token of a step, an accepted draft's row for the next. Every emitted token comes
 from an exact row (runtime/verify.py), so the numbers are the target's own whichever method
 drafted: bit for bit `ar`'s where one-row calls are padded (quantized targets), within float32
-ulps elsewhere. They are the model's distribution before penalties, temperature, top-k and top-p
+rounding elsewhere (a verify call of several rows sums in another order than a one-row call: README). They are
+the model's distribution before penalties, temperature, top-k, top-p and min-p
 (as vLLM's default, `raw_logprobs`, and HF's `output_logits`): those settings decide which
 token is drawn, not what the model thinks of it. Costs nothing unless asked for: one pass over
 the vocabulary per emitted token (SmolLM2's 49,152: 0.06 ms, 0.15 ms with 20 alternatives).

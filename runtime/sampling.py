@@ -47,7 +47,11 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0
     seed: int | None = None
-    sampling: str | None = None  # "seeded" | "rejection"; None: the method's default (Drafter.default_sampling)
+    # "seeded" | "rejection"; None: seeded when a seed is given, else the method's default (Drafter.default_sampling)
+    sampling: str | None = None
+    # keeps the tokens at least min_p times as likely as the likeliest (HF's MinPLogitsWarper, vLLM's and
+    # llama.cpp's min_p); 0: off
+    min_p: float = 0.0
 
     def __post_init__(self):
         # numpy scalars (np.float32(0.5), np.int64(5)) are numbers too: taken as Python floats and ints
@@ -61,12 +65,15 @@ class SamplingParams:
         # 0 keeps the most probable token only (as in transformers and the OpenAI API)
         if p is None or not math.isfinite(p) or not 0 <= p <= 1:
             raise SpecDeployError(f"top_p must be in [0, 1], got {self.top_p!r}")
+        min_p = as_real(self.min_p)
+        if min_p is None or not math.isfinite(min_p) or not 0 <= min_p <= 1:
+            raise SpecDeployError(f"min_p must be in [0, 1], got {self.min_p!r}")
         seed = None if self.seed is None else as_int(self.seed)
         if self.seed is not None and (seed is None or seed < 0):
             raise SpecDeployError(f"seed must be a non-negative integer, got {self.seed!r}")
         if seed is not None and seed >= 2**64:
             raise SpecDeployError(f"seed must be below 2**64, got {self.seed!r}")
-        for name, value in (("temperature", t), ("top_k", top_k), ("top_p", p), ("seed", seed)):
+        for name, value in (("temperature", t), ("top_k", top_k), ("top_p", p), ("seed", seed), ("min_p", min_p)):
             object.__setattr__(self, name, value)  # frozen: the checked Python value replaces the given one
         if self.sampling is not None and self.sampling not in SCHEMES:
             raise SpecDeployError(f"sampling must be one of {', '.join(SCHEMES)}, got {self.sampling!r}")
@@ -76,7 +83,8 @@ class SamplingParams:
         return self.temperature == 0
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
-        """The distribution to sample from: temperature, then top-k, then top-p (float64).
+        """The distribution to sample from: temperature, then top-k, then top-p, then min-p (float64), in
+        HF transformers' order.
 
         Host work a sampled token waits for (verification runs it once per node of the path, a
         draft model once per draft): the exponentials are taken over top-k's support only, and
@@ -108,6 +116,9 @@ class SamplingParams:
             mass = p[kept]
             p[:] = 0.0
             p[kept] = mass
+            p /= p.sum()
+        if self.min_p > 0.0:  # relative to the likeliest, so the same on the renormalized p (which keeps it)
+            p[p < self.min_p * p.max()] = 0.0
             p /= p.sum()
         return p
 

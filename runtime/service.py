@@ -162,7 +162,8 @@ class Service:
                 timeout: float | None = None, request_id: str | None = None,
                 sampling: str | None = None, logprobs: int | None = None, repetition_penalty: float = 1.0,
                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                logit_bias: dict[int, float] | None = None, prompt_logprobs: bool = False) -> "Request":
+                logit_bias: dict[int, float] | None = None, prompt_logprobs: bool = False,
+                min_p: float = 0.0) -> "Request":
         """A validated request that has not started yet (SpecDeployError on bad input).
 
         `request_id` names it in logs and thread names (default: a random id). `sampling`
@@ -171,7 +172,7 @@ class Service:
         (TokenEvent.logprobs, GenerationResult.logprobs; runtime/logprobs.py); None: none. `prompt_logprobs`:
         the same for the prompt's tokens after the first (Request.prompt_logprobs, once prefilled).
         `repetition_penalty` (HF's), `frequency_penalty`, `presence_penalty` and `logit_bias` ({token id: bias},
-        OpenAI's): runtime/penalties.py.
+        OpenAI's): runtime/penalties.py. `min_p` (HF's, after temperature, top-k and top-p): runtime/sampling.py.
         """
         if (prompt is None) == (prompt_ids is None):
             raise SpecDeployError("give exactly one of prompt (text) or prompt_ids")
@@ -189,7 +190,7 @@ class Service:
         method = self.resolve(method)
         if method not in self.methods:
             raise SpecDeployError(self.method_message(method))
-        params = SamplingParams(temperature, top_k, top_p, seed, sampling)
+        params = SamplingParams(temperature, top_k, top_p, seed, sampling, min_p)
         penalties = Penalties(repetition_penalty, frequency_penalty, presence_penalty, _bias_items(logit_bias))
         max_new_tokens = validate_request(self.meta, ids, max_new_tokens, prompt_logprobs)
         penalties.check_vocab(self.meta.manifest.models["target"].vocab_size)

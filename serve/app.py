@@ -279,6 +279,7 @@ class Server:
         return dict(prompt_ids=prompt_ids, method=method, max_new_tokens=max_tokens,
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+                    min_p=body.min_p or 0.0,
                     stop=stop_strings(body.stop, self.limits.max_stop, self.limits.max_stop_chars),
                     ignore_eos=bool(body.ignore_eos), sampling=body.sampling, logprobs=body.alternatives(),
                     repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -305,13 +306,14 @@ class Server:
             else:
                 options = self.options(body, await self.completion_prompt(body.prompt), body.max_tokens,
                                        DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
-            plan = Plan.of(body, options, self.admission.limit)
+            pool = self.service.pool
+            plan = Plan.of(body, options, min(self.admission.limit, pool.size + pool.queue_size))
             if not admitted.widen(plan.runs - 1):
-                raise busy(f"server busy: the request needs {plan.runs} generations and {self.admission.active} "
-                           f"of {self.admission.limit} are in flight; retry later")
+                raise busy(f"server busy: the request needs {plan.runs} generations and {self.admission.active - 1} "
+                           f"of {self.admission.limit} places are held by others; retry later")
             runs = [self._run(request, plan.options(options, i)) for i in range(plan.runs)]
             deadline.watch(runs)
-            if not await self._start(request, runs, deadline, first=bool(body.stream)):
+            if not await self._start(request, runs, deadline):
                 return Response(status_code=499)
             echo = text_and_offsets(self.service.tokenizer, options["prompt_ids"])[0] if body.echoes() else None
             shape = Shape(chat, self.model_name, self.service.tokenizer.token_bytes, echo)
@@ -324,7 +326,7 @@ class Server:
                                          media_type="text/event-stream", background=BackgroundTask(cleanup),
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             try:
-                await _unless_disconnected(request, _all(run.result() for run in runs), runs)
+                await _unless_disconnected(request, _all(runs), runs)
             except _ClientGone:
                 return Response(status_code=499)
             except Exception as exc:
@@ -358,19 +360,23 @@ class Server:
         self.runs.add(run)
         return run
 
-    async def _start(self, request: Request, runs: list[AsyncRequest], deadline: _Deadline,
-                     first: bool = False) -> bool:
-        """Wait for a worker (a batch row) for every generation, or with `first` (a stream, which shows each
-        choice as it comes) for the first to get one, the others starting as workers free up; False if
-        the client went away meanwhile. One refused ends them all."""
+    async def _start(self, request: Request, runs: list[AsyncRequest], deadline: _Deadline) -> bool:
+        """Wait until the first generation has a worker (a batch row), or one is refused; the others start as
+        workers free up (Plan.options: without the queue's time limit). False if the client went away
+        meanwhile. One refused ends them all."""
         starts = [asyncio.ensure_future(run.start()) for run in runs]
-        for start in starts:  # those not awaited here raise again in the stream (AsyncRequest.batches)
+        for start in starts:  # those not awaited here raise again where the run is read (AsyncRequest.batches)
             start.add_done_callback(_retrieve)
-        waiting = asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED if first else asyncio.ALL_COMPLETED)
+        limit = self.service.pool.queue_timeout if len(runs) > 1 else None  # one run: the pool's own wait
+        waiting = asyncio.wait(starts, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
         try:
             done, _ = await _unless_disconnected(request, waiting, runs)
         except _ClientGone:
             return False
+        if not done:  # none of the request's generations got a worker within the queue's time limit
+            for run in runs:
+                run.cancel()
+            raise busy(f"server busy: no worker became free within {limit:g} s; retry later")
         refused = next((start.exception() for start in done if start.exception() is not None), None)
         if refused is not None or not all(start.result() for start in done):
             for run in runs:
@@ -484,10 +490,16 @@ class _ShutdownCutoffMiddleware:
                 await shutting_down().response()(scope, receive, send)
 
 
-async def _all(awaitables):
-    """asyncio.gather in a task: cancelled (the client went away), it takes its own outcome rather than leaving
-    a gathering future whose cancellation nobody retrieved (asyncio logs those, with a traceback)."""
-    return await asyncio.gather(*awaitables)
+async def _all(runs: list[AsyncRequest]) -> list:
+    """Every run's result; the first failure stops the others (asyncio.gather lets them run on). A task, so that
+    cancelled (the client went away) it takes its own outcome rather than leaving a gathering future whose
+    cancellation nobody retrieved (asyncio logs those, with a traceback)."""
+    try:
+        return await asyncio.gather(*(run.result() for run in runs))
+    except BaseException:
+        for run in runs:
+            run.cancel()
+        raise
 
 
 def _retrieve(future: asyncio.Future) -> None:
@@ -543,10 +555,11 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
             vocab = server.service.meta.manifest.models["target"].vocab_size
             fields["prompt"]["anyOf"][1]["items"]["maximum"] = vocab - 1
         fields["method"] = {"anyOf": [{"type": "string", "enum": [AUTO, *server.service.methods]}, {"type": "null"}]}
+        pool = server.service.pool
         for name in ("n", "best_of"):  # serve/choices.py
             if name in fields:
-                fields[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": server.admission.limit},
-                                          {"type": "null"}]}
+                most = min(server.admission.limit, pool.size + pool.queue_size)
+                fields[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": most}, {"type": "null"}]}
         if server.limits.max_tokens is not None:
             for name in ("max_tokens", "max_completion_tokens"):
                 if name in fields:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from dataclasses import dataclass
 
 from ..runtime.aio import AsyncRequest
@@ -58,8 +59,8 @@ class Plan:
             raise bad_request("'best_of' larger than 'n' cannot be streamed: the candidates are ranked once "
                               "all of them are complete", "best_of")
         if candidates > limit:  # greedy ones too, which run once: n copies still make a response n times as long
-            raise bad_request(f"'{param}' is {candidates}: this server runs at most {limit} generations at once "
-                              "(--max-concurrent-requests)", param)
+            raise bad_request(f"'{param}' is {candidates}: this server holds at most {limit} generations at once "
+                              "(its workers and queue, within --max-concurrent-requests)", param)
         runs = 1 if options["temperature"] == 0 else candidates
         return cls(n, candidates, runs, options["logprobs"] is not None)
 
@@ -67,9 +68,14 @@ class Plan:
         return 0 if self.runs == 1 else candidate
 
     def options(self, options: dict, run: int) -> dict:
-        """The Service.request options of generation `run`."""
+        """The Service.request options of generation `run`. Of several, each waits for a worker without the
+        queue's time limit: where workers are fewer than the choices, some wait for the request's own
+        others, which the limit (meant for a busy server) would turn into a 429 that retrying cannot cure.
+        The server applies the limit to the first of them to get a worker instead (app.py, _start); the
+        request's deadline (--request-timeout) bounds them all."""
         ranked = self.candidates > self.n and self.runs > 1
-        return {**options, "seed": candidate_seed(options["seed"], run),
+        extra = {"timeout": float(threading.TIMEOUT_MAX)} if self.runs > 1 else {}
+        return {**options, **extra, "seed": candidate_seed(options["seed"], run),
                 "logprobs": 0 if ranked and options["logprobs"] is None else options["logprobs"]}
 
     def chosen(self, requests) -> list[int]:
@@ -85,7 +91,7 @@ class Plan:
 
 
 def mean_logprob(request) -> float:
-    logprobs = request.logprobs or ()
+    logprobs = request.logprobs or ()  # none (max_tokens 0, scoring a prompt): every candidate ties
     return sum(t.logprob for t in logprobs) / len(logprobs) if logprobs else 0.0
 
 

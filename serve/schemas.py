@@ -8,7 +8,7 @@ output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself re
 a model that does not reason). Accepted and ignored, as they change nothing in the text
 generated: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
 `safety_identifier`, `parallel_tool_calls` (moot without tools) and `prediction` (a hint
-that only speeds up a matching output). Extensions: `method`, `top_k`, `ignore_eos`, `sampling`,
+that only speeds up a matching output). Extensions: `method`, `top_k`, `min_p`, `ignore_eos`, `sampling`,
 `repetition_penalty` (HF's, as vLLM takes it); `frequency_penalty`, `presence_penalty` and
 `logit_bias` are OpenAI's (runtime/penalties.py).
 `logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
@@ -60,9 +60,11 @@ class _Common(BaseModel):
     # specdeploy extensions (the openai client sends them with extra_body=...)
     method: Optional[str] = None
     top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)  # HF's / vLLM's (runtime/sampling.py)
     repetition_penalty: Optional[float] = Field(None, ge=REPETITION[0], le=REPETITION[1], allow_inf_nan=False)
     ignore_eos: Optional[bool] = None
-    sampling: Optional[Literal["seeded", "rejection"]] = None  # how drafts are accepted; None: the method's default
+    # how drafts are accepted; None: seeded with a seed, else the method's default (runtime/generate.py)
+    sampling: Optional[Literal["seeded", "rejection"]] = None
 
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, is set to something this server cannot do)."""

@@ -7,14 +7,13 @@ request to a thread of its own and returns at once, so one instance serves as ma
 at a time as its pool (the Service's queue holds more, up to its limit).
 
 Inputs follow Triton's LLM backends (TensorRT-LLM, vLLM): `text_input` or `input_ids`;
-optional `max_tokens`, `temperature` (default 0: greedy), `top_k`, `top_p`, `random_seed`,
+optional `max_tokens`, `temperature` (default 0: greedy), `top_k`, `top_p`, `min_p`, `random_seed`,
 `stop_words`, `repetition_penalty`, `presence_penalty`, `frequency_penalty` (runtime/penalties.py),
 `return_log_probs`, `stream` (default false), and the extensions `method` and `ignore_eos`.
 Outputs: `text_output` and `output_ids` (with `stream`, one response per token, then a last
 one with empty text and ids), and in the last response `finish_reason` and `stats` (JSON).
-With `return_log_probs`, `output_log_probs` (each token's log probability, the target's:
-runtime/logprobs.py; streamed, a response carries those of the tokens whose text it carries, so
-over the stream they line up with `output_ids`) and, last, `cum_log_probs` (their sum).
+With `return_log_probs`, `output_log_probs` (each of `output_ids`' log probability, the target's:
+runtime/logprobs.py; streamed, each response's with its id) and, last, `cum_log_probs` (their sum).
 A bad request gets one error response (Triton's INVALID_ARG; UNAVAILABLE when full).
 """
 
@@ -83,6 +82,7 @@ def request_options(request) -> tuple[dict, bool]:
     options["temperature"] = _scalar(request, "temperature", float, 0.0)
     options["top_k"] = _scalar(request, "top_k", int, 0)
     options["top_p"] = _scalar(request, "top_p", float, 1.0)
+    options["min_p"] = _scalar(request, "min_p", float, 0.0)
     options["seed"] = _scalar(request, "random_seed", int, None)
     options["ignore_eos"] = _scalar(request, "ignore_eos", bool, False)
     options["method"] = _scalar(request, "method", str, None) or None
@@ -163,6 +163,8 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         checked = time.monotonic()
         wants = req.top_logprobs is not None  # return_log_probs
+        ids: list[int] = []
+        logprobs: list[float] = []  # each of ids' own, as it comes (TokenEvent.logprob)
         try:
             with req:  # frees the worker however this ends
                 for event in req:
@@ -171,14 +173,17 @@ class TritonPythonModel:
                         if _cancelled(sender):  # the client went away or cancelled its stream
                             req.cancel()
                             break
+                    new = [event.token_id] if event.token_id >= 0 else []  # -1: the text held to the end
+                    ids += new
+                    if wants:
+                        logprobs += [event.logprob] if new else []
                     if stream:
-                        shown = [t.logprob for t in event.logprobs] if wants else None
-                        sender.send(_response(event.text, [event.token_id], logprobs=shown))
-                text, ids = ("", []) if stream else (req.text, req.token_ids)
-                every = [t.logprob for t in req.logprobs or ()] if wants else None
-                shown = None if every is None else [] if stream else every
-                sender.send(_response(text, ids, req.finish_reason, public_stats(req.stats), shown,
-                                      None if every is None else float(sum(every))), flags=final)
+                        sender.send(_response(event.text, new, logprobs=logprobs[-len(new):] if wants and new
+                                              else [] if wants else None))
+                text = "" if stream else req.text
+                shown = None if not wants else [] if stream else logprobs
+                sender.send(_response(text, [] if stream else ids, req.finish_reason, public_stats(req.stats),
+                                      shown, float(sum(logprobs)) if wants else None), flags=final)
         except self.BusyError as exc:
             _send_quietly(sender, _error(str(exc), "UNAVAILABLE"), final)
         except Exception as exc:

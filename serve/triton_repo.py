@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 # (name, Triton type, dims): the inputs of Triton's LLM backends that mean something here, all optional.
 INPUTS = [("text_input", "TYPE_STRING", [1]), ("input_ids", "TYPE_INT32", [-1]), ("max_tokens", "TYPE_INT32", [1]),
           ("temperature", "TYPE_FP32", [1]), ("top_k", "TYPE_INT32", [1]), ("top_p", "TYPE_FP32", [1]),
+          ("min_p", "TYPE_FP32", [1]),
           ("random_seed", "TYPE_UINT64", [1]), ("stop_words", "TYPE_STRING", [-1]), ("ignore_eos", "TYPE_BOOL", [1]),
           ("method", "TYPE_STRING", [1]), ("stream", "TYPE_BOOL", [1]), ("repetition_penalty", "TYPE_FP32", [1]),
           ("presence_penalty", "TYPE_FP32", [1]), ("frequency_penalty", "TYPE_FP32", [1]),

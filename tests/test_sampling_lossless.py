@@ -53,28 +53,67 @@ def chi_square_pvalue(samples, dist):
     return chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
-@pytest.mark.parametrize("method,overrides,scheme", [
-    ("draft", {"k": 1}, "rejection"), ("draft", {"k": 4}, "rejection"), ("ar", None, "rejection"),
-    ("draft", {"k": 4}, "seeded"), ("ar", None, "seeded"),
+TOP6 = dict(temperature=1.3, top_k=6)
+MIN_P = dict(temperature=1.6, top_k=12, min_p=0.15)  # min-p cuts some of top-k's tokens here (checked below)
+
+
+@pytest.mark.parametrize("method,overrides,scheme,kw", [
+    ("draft", {"k": 1}, "rejection", TOP6), ("draft", {"k": 4}, "rejection", TOP6), ("ar", None, "rejection", TOP6),
+    ("draft", {"k": 4}, "seeded", TOP6), ("ar", None, "seeded", TOP6),
     # the draft model's sampled drafts in a fused tree: verified as the point masses they are once drawn
-    ("draft+suffix", {"lazy": False}, "rejection"),
+    ("draft+suffix", {"lazy": False}, "rejection", TOP6),
+    ("draft", {"k": 4}, "rejection", MIN_P),
 ])
-def test_speculative_sampling_matches_target_distribution(micro_export, method, overrides, scheme):
+def test_speculative_sampling_matches_target_distribution(micro_export, method, overrides, scheme, kw):
     from specdeploy.runtime.generate import generate
     from specdeploy.runtime.loaded_export import LoadedExport
 
     export = LoadedExport(micro_export)
-    params = SamplingParams(temperature=1.3, top_k=6)
+    params = SamplingParams(**kw)
     ids = export.tokenizer.encode("def foo(x):\n    return")
     dist = exact_two_token_dist(export, ids, params)
+    if "min_p" in kw:  # the filter really acts: fewer pairs than top-k alone allows
+        assert len(dist) < len(exact_two_token_dist(export, ids, SamplingParams(kw["temperature"], kw["top_k"])))
     samples = []
     for seed in range(RUNS):
-        p = SamplingParams(temperature=1.3, top_k=6, seed=seed, sampling=scheme)
+        p = SamplingParams(**kw, seed=seed, sampling=scheme)
         r = generate(export, ids, method=method, params=p, max_new_tokens=2, ignore_eos=True,
                      method_overrides=overrides)
         assert r.stats["sampling"] == scheme
         samples.append(tuple(r.token_ids))
     assert chi_square_pvalue(samples, dist) > 1e-3
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.7), dict(temperature=1.3, top_k=50), dict(temperature=1.0, top_p=0.8),
+    dict(temperature=0.9, min_p=0.05), dict(temperature=1.5, top_k=200, top_p=0.95, min_p=0.02),
+    dict(temperature=1.0, top_p=0.0), dict(temperature=2.0, min_p=0.3)])
+def test_the_sampling_distribution_is_hf_transformers(kw):
+    """temperature, top-k, top-p and min-p mean what they mean in HF transformers: its logits warpers, in
+    generate()'s order, leave the same tokens with the same probabilities."""
+    import torch
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(kw["temperature"])])
+    if kw.get("top_k"):
+        warpers.append(TopKLogitsWarper(kw["top_k"]))
+    if kw.get("top_p", 1.0) < 1.0:
+        warpers.append(TopPLogitsWarper(kw["top_p"]))
+    if kw.get("min_p"):
+        warpers.append(MinPLogitsWarper(kw["min_p"]))
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        logits = (rng.standard_normal(2000) * rng.uniform(1, 4)).astype(np.float32)
+        ours = SamplingParams(**kw).probs(logits)
+        theirs = torch.softmax(warpers(None, torch.from_numpy(logits)[None].double())[0], -1).numpy()
+        np.testing.assert_array_equal(ours > 0, theirs > 0)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-15)
 
 
 def _tree_sample_freqs(tree, tokens, logits, params, draft_probs, runs, seed, seeded=False):

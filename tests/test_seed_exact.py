@@ -51,6 +51,16 @@ def _ids(export, method, params, ids, overrides=None):
     return r.token_ids, r.stats
 
 
+def test_min_p_sampling_emits_ars_tokens_for_every_method(micro_all):
+    kw = dict(temperature=1.2, top_p=0.95, min_p=0.08)
+    ids = micro_all.tokenizer.encode(PROMPT)
+    for seed in SEEDS[:10]:
+        want, _ = _ids(micro_all, "ar", SamplingParams(**kw, seed=seed), ids)
+        for method, overrides in CASES:
+            got, _ = _ids(micro_all, method, SamplingParams(**kw, seed=seed, sampling="seeded"), ids, overrides)
+            assert got == want, (method, overrides, seed)
+
+
 @pytest.mark.parametrize("kw", PARAMS, ids=["T0.7-topk20", "T1.0-topp0.9"])
 def test_every_method_emits_ars_tokens_for_every_seed(micro_all, kw):
     ids = micro_all.tokenizer.encode(PROMPT)
@@ -84,7 +94,9 @@ def test_defaults_and_a_drawn_seed_replays(micro_all):
     _, stats = _ids(micro_all, "eagle", SamplingParams(1.0, seed=3), ids)
     assert stats["sampling"] == "seeded" and stats["seed"] == 3
     _, stats = _ids(micro_all, "draft", SamplingParams(1.0, seed=3), ids)
-    assert stats["sampling"] == "rejection"  # the draft model's default, chosen by acceptance (README)
+    assert stats["sampling"] == "seeded"  # a seed asks for a replayable answer, whatever the method
+    _, stats = _ids(micro_all, "draft", SamplingParams(1.0), ids)
+    assert stats["sampling"] == "rejection"  # the draft model's default without one, chosen by acceptance (README)
     _, stats = _ids(micro_all, "ar", SamplingParams(), ids)
     assert stats["sampling"] == "greedy" and stats["seed"] is None
     # No seed: one is drawn per request and reported; passing it back replays the request on any method.

@@ -364,13 +364,17 @@ def test_raw_sse_format(server):
 
 def test_sampling_scheme_is_chosen_per_request(client):
     """Seeded (seed-exact) drafting prints ar's tokens for the same seed; rejection sampling is selectable."""
-    def text(method, sampling=None):
-        extra = {"method": method, "ignore_eos": True, **({"sampling": sampling} if sampling else {})}
+    def text(method, sampling=None, **extra):
+        extra = {"method": method, "ignore_eos": True, **({"sampling": sampling} if sampling else {}), **extra}
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0.9,
                                          seed=21, extra_body=extra).choices[0].text
 
-    assert text("draft", "seeded") == text("ar")
+    assert text("draft", "seeded") == text("ar") == text("draft")  # a seed asks for a replay: seeded by default
     assert isinstance(text("draft", "rejection"), str)
+    # min_p (an extension, HF's): 1.0 keeps only the likeliest token, so sampling is greedy decoding
+    greedy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert text("draft", min_p=1.0) == text("ar", min_p=1.0) == greedy
 
 
 # ------------------------------------------------------------------------------ n and best_of
@@ -475,6 +479,30 @@ def test_n_past_the_servers_generations_is_refused(tight_server):
     assert tight_server.health()["in_flight"] == 0
 
 
+def test_choices_wait_for_each_other_past_the_queue_limit_and_a_refused_one_ends_them_at_once(chat_export):
+    """One worker, a 1 s queue limit: n=2 generations of seconds each still answer (the second waits for the
+    first, not for a busy server); with the worker held and the one queue slot taken by the request's
+    first choice, its second is refused and the request gets its 429 at once, the first withdrawn."""
+    with ServerProcess(chat_export, "--pool-size", "1", "--queue", "1", "--queue-timeout", "1",
+                       "--max-concurrent-requests", "4") as srv:
+        client = make_client(srv)
+        both = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=LONG, n=2,
+                                         temperature=0.9, seed=3, extra_body={"ignore_eos": True})
+        assert [c.finish_reason for c in both.choices] == ["length", "length"]
+        assert both.usage.completion_tokens == 2 * LONG
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=LONG, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        t0 = time.perf_counter()
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=LONG, n=2, temperature=0.9)
+        assert time.perf_counter() - t0 < 5  # not after the held worker's generation
+        assert srv.health()["waiting"] == 0  # the queued first choice left the queue
+        stream.close()
+        _wait_idle(srv)
+        assert srv.health()["in_flight"] == 0
+
+
 # ------------------------------------------------------------------------------ concurrency
 
 
@@ -533,6 +561,8 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "sampling": "lucky"}, 400, "sampling", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "min_p": "0.1"}, 400, "min_p", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "n": 10**6}, 400, "n", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "n": "2"}, 400, "n", "invalid_type"),

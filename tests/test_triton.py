@@ -104,7 +104,8 @@ def inputs(module, prompt: str | None = PROMPT, ids: list[int] | None = None, st
     types = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32),
              "top_p": ("FP32", np.float32), "random_seed": ("UINT64", np.uint64),
              "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
-             "frequency_penalty": ("FP32", np.float32), "return_log_probs": ("BOOL", bool)}
+             "frequency_penalty": ("FP32", np.float32), "return_log_probs": ("BOOL", bool),
+             "min_p": ("FP32", np.float32)}
     out = []
 
     def add(name, dtype, value):
@@ -150,6 +151,8 @@ def test_grpc_infer_and_sampling_parameters(triton, expected):
     assert text_of(c.infer("micro", inputs(tgrpc))) == expected["greedy"].text
     sampled = c.infer("micro", inputs(tgrpc, temperature=0.8, top_k=20, random_seed=7))
     assert sampled.as_numpy("output_ids").tolist() == expected["sampled"].token_ids  # seeded: reproducible
+    only_top = c.infer("micro", inputs(tgrpc, temperature=0.8, min_p=1.0, random_seed=7))  # min_p 1: the likeliest
+    assert only_top.as_numpy("output_ids").tolist() == expected["greedy"].token_ids
     greedy = expected["greedy"].text
     stop = greedy.split()[0][:4]  # a piece of the first word: the text stops right before it
     stopped = c.infer("micro", inputs(tgrpc, stop_words=[stop]))
@@ -204,6 +207,8 @@ def test_penalties_and_log_probs_are_the_runtimes(triton, expected):
             assert error is None, error
             ids += result.as_numpy("output_ids").tolist()
             streamed += result.as_numpy("output_log_probs").tolist()
+            # each response pairs its ids with their numbers (as TensorRT-LLM's backend does)
+            assert len(result.as_numpy("output_log_probs")) == len(result.as_numpy("output_ids"))
             if result.as_numpy("finish_reason") is not None:
                 final = result
     finally:

@@ -131,7 +131,8 @@ class DraftModelDrafter(Drafter):
     deterministic = False
     # Racing the target's noise (seeded) agrees less often than rejection sampling's min(1, p/q)
     # accepts: on the micro export 3.73 and 3.56 vs 4.18 and 4.24 tokens per target call at T=0.7, 1.0
-    # (README: "Seed-exact sampling"). SamplingParams(sampling="seeded") still gives ar's tokens.
+    # (README: "Seed-exact sampling"): its scheme for a request without a seed. A seed asks for a replayable
+    # answer, so a seeded request runs seeded (runtime/generate.py) and gives ar's tokens.
     default_sampling = "rejection"
     cost_per_draft = True
 

@@ -28,6 +28,10 @@ from specdeploy.runtime.sampling import (
     ({"top_p": -0.1}, "top_p must be in [0, 1]"),
     ({"top_p": 1.5}, "top_p"),
     ({"seed": -3}, "seed must be a non-negative integer"),
+    ({"min_p": -0.1}, "min_p must be in [0, 1]"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"min_p": "0.1"}, "min_p"),
 ])
 def test_bad_params_are_one_clear_error(kwargs, needle):
     with pytest.raises(SpecDeployError) as err:
@@ -45,6 +49,19 @@ def test_temperature_top_k_and_top_p():
     hot, cold = SamplingParams(2.0).probs(logits), SamplingParams(0.5).probs(logits)
     assert hot[0] < 0.4 < cold[0] and hot.sum() == pytest.approx(1) and cold.sum() == pytest.approx(1)
     assert SamplingParams(1.0).probs(logits.astype(np.float32)).dtype == np.float64
+
+
+def test_min_p_keeps_tokens_against_the_likeliest_after_the_other_filters():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    np.testing.assert_allclose(SamplingParams(1.0, min_p=0.5).probs(logits), [4 / 9, 3 / 9, 2 / 9, 0])  # p >= 0.2
+    np.testing.assert_array_equal(SamplingParams(1.0, min_p=0.8).probs(logits), [1, 0, 0, 0])  # 0.3 < 0.32
+    np.testing.assert_allclose(SamplingParams(1.0, min_p=0.7).probs(logits), [4 / 7, 3 / 7, 0, 0])  # 0.3 >= 0.28
+    # after top-k (renormalized: 3/7 against 0.7 x 4/7 = 0.4 stays) and after the temperature
+    np.testing.assert_allclose(SamplingParams(1.0, top_k=3, min_p=0.7).probs(logits), [4 / 7, 3 / 7, 0, 0])
+    hot = SamplingParams(5.0, min_p=0.9).probs(logits)  # flattened: 0.3 ** 0.2 / 0.4 ** 0.2 = 0.94 stays
+    assert hot[1] > 0 and hot[2] == 0 and hot.sum() == pytest.approx(1)
+    np.testing.assert_array_equal(SamplingParams(1.0, min_p=1.0).probs(logits), [1, 0, 0, 0])
+    np.testing.assert_allclose(SamplingParams(1.0, min_p=0.0).probs(logits), [0.4, 0.3, 0.2, 0.1])
 
 
 @pytest.mark.filterwarnings("error")  # no overflow, no "invalid value encountered"
