@@ -219,20 +219,27 @@ class Server:
                                           f"{self.limits.tokenize_timeout_s:g} s (--tokenize-timeout)",
                                           "tokenize_timeout")) from None
 
-    async def completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            return await self.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.service.meta.manifest.models["target"].vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
+    async def completion_prompts(self, prompt) -> list[list[int]]:
+        """The token ids of each prompt: OpenAI's string, token ids, or a list of either (a batch)."""
+        def ids(tokens: list) -> bool:
+            return all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+
+        if isinstance(prompt, str) or isinstance(prompt, list) and ids(prompt):  # one prompt ([]: empty, refused)
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not all(isinstance(p, str) or isinstance(p, list) and ids(p)
+                                                   for p in prompt):
+            raise bad_request("'prompt' must be a string, a list of token ids, or a list of either",
+                              "prompt", "invalid_type")
+        vocab = self.service.meta.manifest.models["target"].vocab_size
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append(await self.encode(p))
+            elif any(not 0 <= t < vocab for t in p):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-            return list(prompt)
-        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-            raise bad_request("batched prompts are not supported: send one prompt per request", "prompt",
-                              "unsupported_parameter")
-        raise bad_request("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
+            else:
+                out.append(list(p))
+        return out
 
     async def chat_prompt(self, body: ChatRequest) -> list[int]:
         if self.chat is None:
@@ -302,10 +309,10 @@ class Server:
                 ids = await self.chat_prompt(body)
                 max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
                 param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-                options = self.options(body, ids, max_tokens, None, "messages", param)
+                options = [self.options(body, ids, max_tokens, None, "messages", param)]
             else:
-                options = self.options(body, await self.completion_prompt(body.prompt), body.max_tokens,
-                                       DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
+                options = [self.options(body, ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
+                           for ids in await self.completion_prompts(body.prompt)]
             pool = self.service.pool
             plan = Plan.of(body, options, min(self.admission.limit, pool.size + pool.queue_size))
             if not admitted.widen(plan.runs - 1):
@@ -315,13 +322,15 @@ class Server:
             deadline.watch(runs)
             if not await self._start(request, runs, deadline):
                 return Response(status_code=499)
-            echo = text_and_offsets(self.service.tokenizer, options["prompt_ids"])[0] if body.echoes() else None
-            shape = Shape(chat, self.model_name, self.service.tokenizer.token_bytes, echo)
+            shape = Shape(chat, self.model_name, self.service.tokenizer.token_bytes)
+            # each prompt's (completions' echo: the prompt's text first)
+            shapes = [shape.echoing(text_and_offsets(self.service.tokenizer, o["prompt_ids"])[0]) if body.echoes()
+                      else shape for o in options]
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 cleanup = _Cleanup(runs, deadline, admitted)
                 admitted = None  # the stream owns it now
-                return StreamingResponse(self.stream(request, runs, plan, shape, include_usage, arrived, deadline,
+                return StreamingResponse(self.stream(request, runs, plan, shapes, include_usage, arrived, deadline,
                                                      cleanup),
                                          media_type="text/event-stream", background=BackgroundTask(cleanup),
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -334,10 +343,11 @@ class Server:
             if deadline.expired:
                 raise deadline.error()
             reqs = [run.request for run in runs]
-            choices = [shape.choice(i, reqs[k].text, reqs[k].finish_reason,
-                                    reqs[k].logprobs if plan.shows_logprobs else None, _prompt(reqs[k]))
+            choices = [shapes[k // plan.per_prompt].choice(i, reqs[k].text, reqs[k].finish_reason,
+                                                           reqs[k].logprobs if plan.shows_logprobs else None,
+                                                           _prompt(reqs[k]))
                        for i, k in enumerate(plan.chosen(reqs))]
-            usage_ = usage(len(options["prompt_ids"]), plan.completion_tokens(reqs))
+            usage_ = usage(plan.prompt_tokens(options), plan.completion_tokens(reqs))
             return JSONResponse(shape.response(choices, usage_, combined_stats(reqs)))
         except _Overrun as overrun:
             held, admitted = admitted, None
@@ -400,11 +410,12 @@ class Server:
         log.error("request %s: internal error while generating", request_id, exc_info=exc)
         return internal(f"internal error while generating (request id {request_id}; details in the server log)")
 
-    async def stream(self, request: Request, runs: list[AsyncRequest], plan: Plan, shape: Shape,
+    async def stream(self, request: Request, runs: list[AsyncRequest], plan: Plan, shapes: list[Shape],
                      include_usage: bool, arrived: float, deadline: _Deadline, cleanup: "_Cleanup"):
         reqs, first, ended = [run.request for run in runs], True, False
-        # the choices each generation shows (all of them where one greedy generation answers n)
-        shows = {k: [i for i in range(plan.n) if plan.run_of(i) == k] for k in range(len(runs))}
+        # the choices each generation shows (all of its prompt's where one greedy generation answers n)
+        shows = {k: plan.shown_by(k) for k in range(len(runs))}
+        shape = shapes[0]
         try:
             try:
                 if shape.chat:
@@ -414,17 +425,17 @@ class Server:
                 wants = plan.shows_logprobs
                 echo = set(range(len(runs))) if shape.echo is not None else set()  # the prompt's text first, once
                 async for k, batch in merged(runs):  # one write per batch of ready tokens
-                    req = reqs[k]
+                    req, mine = reqs[k], shapes[k // plan.per_prompt]
                     pieces = []
                     if k in echo and (batch is None or batch):  # prefilled (or ended: max_tokens 0, or cancelled)
-                        pieces += [shape.echo_chunk(_prompt(req), i) for i in shows[k]]
+                        pieces += [mine.echo_chunk(_prompt(req), i) for i in shows[k]]
                         echo.discard(k)
                     if batch is None:  # this generation ended
                         if deadline.expired:
                             raise deadline.error()
-                        pieces += [shape.chunk(None, req.finish_reason, index=i) for i in shows[k]]
+                        pieces += [mine.chunk(None, req.finish_reason, index=i) for i in shows[k]]
                     else:
-                        pieces += [shape.chunk(event.text, logprobs=event.logprobs if wants else None, index=i)
+                        pieces += [mine.chunk(event.text, logprobs=event.logprobs if wants else None, index=i)
                                    for event in batch if event.text or wants and event.logprobs for i in shows[k]]
                     if pieces:
                         if first and batch is not None:
@@ -432,8 +443,8 @@ class Server:
                             first = False
                         yield "".join(pieces)
                 if include_usage:
-                    yield shape.usage_chunk(usage(len(reqs[0].prompt_ids), plan.completion_tokens(reqs)),
-                                            combined_stats(reqs))
+                    prompt_tokens = sum(len(reqs[plan.run_of(p, 0)].prompt_ids) for p in range(plan.prompts))
+                    yield shape.usage_chunk(usage(prompt_tokens, plan.completion_tokens(reqs)), combined_stats(reqs))
             except Exception as exc:  # headers are gone: report in-band, as OpenAI does, then end as usual
                 error = self.failure(request, exc)
                 request.state.outcome = error.status
@@ -554,6 +565,7 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
         if "prompt" in fields:
             vocab = server.service.meta.manifest.models["target"].vocab_size
             fields["prompt"]["anyOf"][1]["items"]["maximum"] = vocab - 1
+            fields["prompt"]["anyOf"][2]["items"]["anyOf"][1]["items"]["maximum"] = vocab - 1
         fields["method"] = {"anyOf": [{"type": "string", "enum": [AUTO, *server.service.methods]}, {"type": "null"}]}
         pool = server.service.pool
         for name in ("n", "best_of"):  # serve/choices.py

@@ -1,9 +1,11 @@
-"""A request's choices: OpenAI's `n` (several answers to one prompt) and the completions' `best_of`
-(that many candidates generated server-side, the `n` likeliest returned).
+"""A request's choices: OpenAI's `n` (several answers to one prompt), the completions' `best_of`
+(that many candidates generated server-side, the `n` likeliest returned), and the completions' list
+of prompts (each prompt's choices in turn).
 
 Each candidate is a generation of its own in the Service (an instance of the pool, or a row of
 the batch), so a request of `n` costs what n requests cost, and admission counts it so: asking
-for more candidates than the server runs generations at once is a 400, finding too few free a 429.
+for more candidates (prompts x candidates) than the server holds generations at once is a 400,
+finding too few places free a 429.
 
 Seeds: candidate 0 samples with the request's seed, so `n: 1` and the first choice of `n: 4`
 answer alike; candidate i with a 64-bit hash of (seed, i), so the choices differ and the request
@@ -38,17 +40,21 @@ def candidate_seed(seed: int | None, index: int) -> int | None:
 
 @dataclass(frozen=True)
 class Plan:
-    """How many choices a request returns (`n`), candidates it asks for (`best_of`, else n), and generations
-    it runs (one when greedy: its candidates would be identical)."""
+    """How many prompts a request sends (completions take a list), choices it returns for each (`n`),
+    candidates it asks for each (`best_of`, else n), and generations it runs for each (one when greedy: its
+    candidates would be identical). Generation k serves prompt k // per_prompt; a response lists each
+    prompt's choices in turn (choice index prompt x n + j, as OpenAI and vLLM number them)."""
 
+    prompts: int
     n: int
     candidates: int
-    runs: int
+    per_prompt: int
     shows_logprobs: bool  # the request asked for logprobs (best_of asks every candidate for them anyway)
 
     @classmethod
-    def of(cls, body, options: dict, limit: int) -> "Plan":
-        """The request's plan, checked against the generations the server admits at once (`limit`)."""
+    def of(cls, body, options: list[dict], limit: int) -> "Plan":
+        """The request's plan (`options`: each prompt's Service.request options), checked against the
+        generations the server holds at once (`limit`)."""
         n = body.n or 1
         best_of = body.ranked()
         candidates = n if best_of is None else best_of
@@ -58,36 +64,59 @@ class Plan:
         if body.stream and candidates > n:
             raise bad_request("'best_of' larger than 'n' cannot be streamed: the candidates are ranked once "
                               "all of them are complete", "best_of")
-        if candidates > limit:  # greedy ones too, which run once: n copies still make a response n times as long
-            raise bad_request(f"'{param}' is {candidates}: this server holds at most {limit} generations at once "
-                              "(its workers and queue, within --max-concurrent-requests)", param)
-        runs = 1 if options["temperature"] == 0 else candidates
-        return cls(n, candidates, runs, options["logprobs"] is not None)
+        # greedy ones too, which run once: n copies still make a response n times as long
+        if len(options) * candidates > limit:
+            what = f"'{param}' is {candidates}" if len(options) == 1 else \
+                f"{len(options)} prompts x {candidates} ('{param}') are {len(options) * candidates} generations"
+            raise bad_request(f"{what}: this server holds at most {limit} generations at once (its workers and "
+                              "queue, within --max-concurrent-requests)", param if len(options) == 1 else "prompt")
+        per_prompt = 1 if options[0]["temperature"] == 0 else candidates
+        return cls(len(options), n, candidates, per_prompt, options[0]["logprobs"] is not None)
 
-    def run_of(self, candidate: int) -> int:
-        return 0 if self.runs == 1 else candidate
+    @property
+    def runs(self) -> int:
+        return self.prompts * self.per_prompt
 
-    def options(self, options: dict, run: int) -> dict:
+    def run_of(self, prompt: int, candidate: int) -> int:
+        return prompt * self.per_prompt + (0 if self.per_prompt == 1 else candidate)
+
+    def options(self, options: list[dict], run: int) -> dict:
         """The Service.request options of generation `run`. Of several, each waits for a worker without the
-        queue's time limit: where workers are fewer than the choices, some wait for the request's own
+        queue's time limit: where workers are fewer than the generations, some wait for the request's own
         others, which the limit (meant for a busy server) would turn into a 429 that retrying cannot cure.
         The server applies the limit to the first of them to get a worker instead (app.py, _start); the
         request's deadline (--request-timeout) bounds them all."""
-        ranked = self.candidates > self.n and self.runs > 1
+        prompt, candidate = divmod(run, self.per_prompt)
+        mine = options[prompt]
+        ranked = self.candidates > self.n and self.per_prompt > 1
         extra = {"timeout": float(threading.TIMEOUT_MAX)} if self.runs > 1 else {}
-        return {**options, **extra, "seed": candidate_seed(options["seed"], run),
-                "logprobs": 0 if ranked and options["logprobs"] is None else options["logprobs"]}
+        return {**mine, **extra, "seed": candidate_seed(mine["seed"], candidate),
+                "logprobs": 0 if ranked and mine["logprobs"] is None else mine["logprobs"]}
 
     def chosen(self, requests) -> list[int]:
-        """The generation each returned choice shows, in choice order: best_of's n likeliest candidates (the
-        highest mean token logprob first, ties to the earlier candidate), else the choices' own."""
-        if self.candidates == self.n or self.runs == 1:
-            return [self.run_of(i) for i in range(self.n)]
-        return sorted(range(self.runs), key=lambda k: (-mean_logprob(requests[k]), k))[:self.n]
+        """The generation each returned choice shows, in choice order: for each prompt, best_of's n likeliest
+        candidates (the highest mean token logprob first, ties to the earlier one), else its choices' own."""
+        out = []
+        for prompt in range(self.prompts):
+            if self.candidates == self.n or self.per_prompt == 1:
+                out += [self.run_of(prompt, j) for j in range(self.n)]
+            else:
+                runs = [self.run_of(prompt, c) for c in range(self.candidates)]
+                out += sorted(runs, key=lambda k: (-mean_logprob(requests[k]), k))[:self.n]
+        return out
+
+    def shown_by(self, run: int) -> list[int]:
+        """The choice indexes that show generation `run` (a stream's: no ranking)."""
+        prompt = run // self.per_prompt
+        return [prompt * self.n + j for j in range(self.n) if self.run_of(prompt, j) == run]
 
     def completion_tokens(self, requests) -> int:
         """Tokens of every candidate asked for (a repeated greedy one counts once per candidate)."""
-        return sum(len(requests[self.run_of(c)].token_ids) for c in range(self.candidates))
+        return sum(len(requests[self.run_of(p, c)].token_ids) for p in range(self.prompts)
+                   for c in range(self.candidates))
+
+    def prompt_tokens(self, options: list[dict]) -> int:
+        return sum(len(o["prompt_ids"]) for o in options)
 
 
 def mean_logprob(request) -> float:

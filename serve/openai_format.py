@@ -10,6 +10,7 @@ character is written "bytes:\\xe2\\x80" (OpenAI's form), so no two tokens share 
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -28,6 +29,13 @@ class Shape:
         self.chat, self.model, self.token_bytes, self.echo = chat, model, token_bytes, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+
+    def echoing(self, echo: str) -> "Shape":
+        """This response's shape for the choices of a prompt it echoes (a completion's list of prompts: each
+        its own text), under the same id."""
+        shape = copy.copy(self)
+        shape.echo = echo
+        return shape
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}

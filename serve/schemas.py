@@ -14,8 +14,8 @@ that only speeds up a matching output). Extensions: `method`, `top_k`, `min_p`, 
 `logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
 target's own log probabilities, whichever method drafted (runtime/logprobs.py); so is the
 completions' `echo` (the prompt's text before the completion's, and with `logprobs` the prompt
-tokens' too, the first null: what evaluation harnesses score a text by). So are `n` and the
-completions' `best_of` (serve/choices.py).
+tokens' too, the first null: what evaluation harnesses score a text by). So are `n`, the
+completions' `best_of` and their list of prompts (serve/choices.py).
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Any = Field(json_schema_extra={"anyOf": [  # a string, token ids, or a one-element list of either
-        {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]})
+    prompt: Any = Field(json_schema_extra={"anyOf": [  # a string, token ids, or a list of either (serve/choices.py)
+        {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "items": {"anyOf": [{"type": "string"},
+                                              {"type": "array", "items": {"type": "integer", "minimum": 0}}]}}]})
     echo: Optional[bool] = None
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)  # alternatives per token (OpenAI's legacy API: up to 5)
     best_of: Optional[int] = Field(None, ge=1)  # candidates generated, the n likeliest returned (serve/choices.py)

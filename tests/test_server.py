@@ -434,6 +434,31 @@ def test_n_streams_each_choice_as_it_answers_alone(server, client):
     assert len({c.message.content for c in full.choices}) > 1
 
 
+def test_a_list_of_prompts_answers_each_in_turn_as_alone(server, client):
+    """Completions' batch of prompts (strings or token ids): choice prompt x n + j is what that prompt's
+    request alone answers for candidate j, streamed or not, echoed each with its own prompt."""
+    from specdeploy.serve.choices import candidate_seed
+
+    ids = client.completions.create(model=MODEL, prompt="x", max_tokens=1, echo=True, logprobs=0)
+    prompts = ["Once upon a time", "def main():", [int(t) for t in (5, 17, 42)]]
+    common = dict(model=MODEL, max_tokens=10, temperature=0.9, seed=4, n=2, extra_body={"ignore_eos": True})
+    both = client.completions.create(prompt=prompts, **common)
+    assert [c.index for c in both.choices] == list(range(6))
+    alone = [client.completions.create(prompt=p, **{**common, "n": 1, "seed": candidate_seed(4, j)})
+             for p in prompts for j in range(2)]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[::2])
+    assert both.usage.completion_tokens == 60
+    streamed = [""] * 6
+    for chunk in client.completions.create(prompt=prompts, stream=True, **common):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in both.choices]
+    echoed = client.completions.create(prompt=prompts[:2], echo=True, model=MODEL, max_tokens=4, temperature=0)
+    assert [c.text[:len(p)] for c, p in zip(echoed.choices, prompts)] == prompts[:2]
+    assert ids.choices  # a scoring call of one token id prompt still answers
+
+
 def test_best_of_returns_the_likeliest_candidates(server):
     """best_of candidates are ranked by their mean token logprob; logprobs are shown only if asked for."""
     from specdeploy.serve.choices import candidate_seed
@@ -590,7 +615,10 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "method": "nope"}, 400, "method", "unknown_method"),
     ({"model": MODEL, "prompt": "x", "top_k": -3}, 400, "top_k", "invalid_value"),
     ({"model": MODEL, "prompt": 123}, 400, "prompt", "invalid_type"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": [["a"]]}, 400, "prompt", "invalid_type"),
+    ({"model": MODEL, "prompt": ["a", [True]]}, 400, "prompt", "invalid_type"),
+    ({"model": MODEL, "prompt": ["a", []]}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": ["a"] * 10, "n": 2}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": []}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": "word " * (3 * CONTEXT)}, 400, "prompt", "context_length_exceeded"),
