@@ -49,8 +49,8 @@ class SamplingParams:
     seed: int | None = None
     # "seeded" | "rejection"; None: seeded when a seed is given, else the method's default (Drafter.default_sampling)
     sampling: str | None = None
-    # keeps the tokens at least min_p times as likely as the likeliest (HF's MinPLogitsWarper, vLLM's and
-    # llama.cpp's min_p); 0: off
+    # keeps the tokens at least min_p times as likely as the likeliest, after top-p as HF's MinPLogitsWarper
+    # (vLLM's v1 sampler applies its min_p before top-k and top-p, which differs where top-p is set); 0: off
     min_p: float = 0.0
 
     def __post_init__(self):

@@ -167,7 +167,8 @@ class Service:
         """A validated request that has not started yet (SpecDeployError on bad input).
 
         `request_id` names it in logs and thread names (default: a random id). `sampling`
-        ("seeded" or "rejection") picks how drafts are accepted when sampling; None: the method's default.
+        ("seeded" or "rejection") picks how drafts are accepted when sampling; None: seeded when a seed is
+        given, else the method's default.
         `logprobs` N (0-20): each token's log probability and its N likeliest alternatives'
         (TokenEvent.logprobs, GenerationResult.logprobs; runtime/logprobs.py); None: none. `prompt_logprobs`:
         the same for the prompt's tokens after the first (Request.prompt_logprobs, once prefilled).

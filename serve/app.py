@@ -232,7 +232,9 @@ class Server:
                               "prompt", "invalid_type")
         vocab = self.service.meta.manifest.models["target"].vocab_size
         out = []
-        for p in prompt:
+        for i, p in enumerate(prompt):
+            if len(prompt) > 1 and not p:
+                raise bad_request(f"prompt {i} of the list is empty", "prompt")
             if isinstance(p, str):
                 out.append(await self.encode(p))
             elif any(not 0 <= t < vocab for t in p):

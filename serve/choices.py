@@ -69,7 +69,7 @@ class Plan:
             what = f"'{param}' is {candidates}" if len(options) == 1 else \
                 f"{len(options)} prompts x {candidates} ('{param}') are {len(options) * candidates} generations"
             raise bad_request(f"{what}: this server holds at most {limit} generations at once (its workers and "
-                              "queue, within --max-concurrent-requests)", param if len(options) == 1 else "prompt")
+                              "queue, within --max-concurrent-requests)", param if candidates > 1 else "prompt")
         per_prompt = 1 if options[0]["temperature"] == 0 else candidates
         return cls(len(options), n, candidates, per_prompt, options[0]["logprobs"] is not None)
 
@@ -133,7 +133,8 @@ def combined_stats(requests) -> dict:
     tokens = sum(s.get("new_tokens", 0) for s in stats)
     calls = sum(s.get("target_calls", 0) for s in stats)
     seconds = max((s.get("seconds", 0.0) for s in stats), default=0.0)
-    total = {"method": stats[0].get("method"), "target_calls": calls,
+    # one scheme for all (a request's sampling parameters are its generations'); their seeds differ: not shown
+    total = {"method": stats[0].get("method"), "sampling": stats[0].get("sampling"), "target_calls": calls,
              "acceptance_length": tokens / calls if calls else 0.0,
              "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
              "queue_s": max((s.get("queue_s", 0.0) for s in stats), default=0.0), "seconds": seconds}

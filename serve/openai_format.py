@@ -135,7 +135,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def public_stats(stats: dict) -> dict:
     """The per-request numbers worth showing a client (an extension field OpenAI clients ignore)."""
-    keys = ("method", "acceptance_length", "target_calls", "tokens_per_s", "queue_s", "seconds")
+    # sampling and seed: which scheme drew the tokens, and the seed that replays them where it is seeded
+    keys = ("method", "acceptance_length", "target_calls", "tokens_per_s", "queue_s", "seconds", "sampling", "seed")
     return {k: (round(stats[k], 6) if isinstance(stats[k], float) else stats[k]) for k in keys if k in stats}
 
 

@@ -370,6 +370,11 @@ def test_sampling_scheme_is_chosen_per_request(client):
                                          seed=21, extra_body=extra).choices[0].text
 
     assert text("draft", "seeded") == text("ar") == text("draft")  # a seed asks for a replay: seeded by default
+    # the response says which scheme drew the tokens, and the seed that replays them (here: a drawn one)
+    unseeded = httpx.post(f"{client.base_url}completions", json={"model": MODEL, "prompt": "Once upon a time",
+                                                                 "max_tokens": 8, "temperature": 0.9}, timeout=60)
+    stats = unseeded.json()["specdeploy"]
+    assert stats["sampling"] in ("seeded", "rejection") and isinstance(stats["seed"], int)
     assert isinstance(text("draft", "rejection"), str)
     # min_p (an extension, HF's): 1.0 keeps only the likeliest token, so sampling is greedy decoding
     greedy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
@@ -618,7 +623,8 @@ BAD = [
     ({"model": MODEL, "prompt": [["a"]]}, 400, "prompt", "invalid_type"),
     ({"model": MODEL, "prompt": ["a", [True]]}, 400, "prompt", "invalid_type"),
     ({"model": MODEL, "prompt": ["a", []]}, 400, "prompt", "invalid_value"),
-    ({"model": MODEL, "prompt": ["a"] * 10, "n": 2}, 400, "prompt", "invalid_value"),
+    ({"model": MODEL, "prompt": ["a"] * 10, "n": 2}, 400, "n", "invalid_value"),
+    ({"model": MODEL, "prompt": ["a"] * 19}, 400, "prompt", "invalid_value"),  # 2 workers + a queue of 16
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": []}, 400, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": "word " * (3 * CONTEXT)}, 400, "prompt", "context_length_exceeded"),

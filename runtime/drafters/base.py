@@ -91,8 +91,8 @@ class Drafter:
 
     name = "ar"
     deterministic = True  # proposals carry no draft_probs
-    # A request's sampling scheme when SamplingParams.sampling is None. Seeded accepts a
-    # deterministic draft exactly as often as rejection sampling does, and is seed-exact.
+    # A request's sampling scheme when it names none and gives no seed (a seed means seeded: generate.py).
+    # Seeded accepts a deterministic draft exactly as often as rejection sampling does, and is seed-exact.
     default_sampling = "seeded"
     # Sizes each proposal by what its verify rows cost (drafters/step_costs.py) and drafts on the host for free:
     # the step-time policy (runtime/adaptive.py) has nothing to add, and on a shared CPU it turned
