@@ -124,7 +124,10 @@ def test_sampling_reaches_the_context_end(full, method):
     from specdeploy.runtime.sampling import SamplingParams
 
     for n in (CONTEXT - 20, CONTEXT - 3, CONTEXT - 1):
-        out = _generate(full, _prompt(full.tokenizer, n), method, params=SamplingParams(temperature=0.8, seed=n))
+        # the draft model under rejection sampling, its scheme for unseeded requests (a seed alone means seeded)
+        scheme = "rejection" if method == "draft" else None
+        out = _generate(full, _prompt(full.tokenizer, n), method,
+                        params=SamplingParams(temperature=0.8, seed=n, sampling=scheme))
         assert out.finish_reason == "length" and n + len(out.token_ids) == CONTEXT
 
 

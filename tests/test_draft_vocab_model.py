@@ -106,7 +106,7 @@ def test_rejection_sampling_q_is_zero_outside_the_draft_vocabulary(export, vocab
     """Verification's residual max(0, p - q) covers the tokens the draft cannot propose."""
     from specdeploy.runtime.generate import Generation
 
-    params = SamplingParams(temperature=1.0, seed=5)
+    params = SamplingParams(temperature=1.0, seed=5, sampling="rejection")  # the scheme whose residual this is
     g = Generation(export, export.tokenizer.encode(PROMPTS[0]), method="draft", params=params, max_new_tokens=NEW)
     g.target.prefill(g.state.tokens[:-1], export.prefill_chunk)
     g.drafter.start(g.state)
