@@ -105,11 +105,12 @@ def validate_request(export: LoadedExport, prompt_ids: list[int], max_new_tokens
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise SpecDeployError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-    if len(prompt_ids) >= export.manifest.max_context:
-        raise SpecDeployError(
-            f"prompt is {len(prompt_ids)} tokens; the export's max context is {export.manifest.max_context} "
-            "(it must leave room for at least one new token)"
-        )
+    # scoring alone (0 new tokens) prefills all but the last token (its logprob is the row before): a whole
+    # context fits
+    length, most = len(prompt_ids), export.manifest.max_context
+    if length > most or length == most and not (scoring and new == 0):
+        raise SpecDeployError(f"prompt is {length} tokens; the export's max context is {most} (it must leave room "
+                              "for at least one new token, unless it is only scored: prompt_logprobs, 0 new tokens)")
     return new
 
 

@@ -268,11 +268,12 @@ class Server:
         if not prompt_ids:
             raise bad_request("the prompt is empty", prompt_param)
         ctx, n, cap = self.model_len, len(prompt_ids), self.limits.max_tokens
-        if n >= ctx:
-            raise bad_request(f"this model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
-                              "(it must leave room for at least one new token)", prompt_param,
-                              "context_length_exceeded")
         scoring = body.echoes() and body.alternatives() is not None  # the prompt's logprobs: 0 new tokens allowed
+        # scoring alone (0 new tokens) reads the prefill's rows, which stop before the last token: a whole window
+        if n > ctx or n == ctx and not (scoring and max_tokens == 0):
+            raise bad_request(f"this model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
+                              "(it must leave room for at least one new token, unless it is only scored: echo, "
+                              "logprobs and max_tokens 0)", prompt_param, "context_length_exceeded")
         if max_tokens == 0 and not scoring:
             raise bad_request(f"'{tokens_param}' must be at least 1 (0 only with echo and logprobs, to score the "
                               "prompt)", tokens_param, "invalid_value")

@@ -341,6 +341,27 @@ def test_decoding_to_the_context_end(quantized):
         assert (got.finish_reason, got.token_ids) == ("length", ar.token_ids), method
 
 
+def test_a_whole_context_window_is_scored(quantized):
+    """Scoring alone (prompt logprobs, 0 new tokens) prefills all but the last token: a padded target's
+    calls, which write one past their rows, fit a prompt as long as the context; its numbers are those of
+    the same text one token shorter."""
+    from specdeploy.runtime.generate import Generation
+    from specdeploy.runtime.loaded_export import LoadedExport
+
+    _, out, _ = quantized
+    export = LoadedExport(out)
+    ids = (export.tokenizer.encode("\n".join(PROMPTS)) * 200)[: export.manifest.max_context]
+
+    def scored(prompt):
+        gen = Generation(export, prompt, method="ar", max_new_tokens=0, logprobs=0, prompt_logprobs=True)
+        assert gen.result().finish_reason == "length" and not gen.new_ids
+        return gen.prompt_logprobs
+
+    whole = scored(ids)
+    assert len(whole) == len(ids) and whole[0] is None
+    assert whole[:-1] == scored(ids[:-1])
+
+
 def test_task_check_passes_with_its_numbers(quantized):
     bits, out, lines = quantized
     assert any("top-1 agreement with float32" in line for line in lines)  # ran at export, before publishing

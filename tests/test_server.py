@@ -350,6 +350,22 @@ def test_echo_scores_a_text_as_generation_scored_it(server, client):
     assert err.value.body["param"] == "max_tokens"
 
 
+def test_a_whole_context_window_can_be_scored(server, client):
+    """Scoring alone (echo, logprobs, max_tokens 0) reads the prefill's rows, which stop before the last token:
+    a prompt as long as the context is scored (a perplexity window), and its tokens get the numbers the same
+    text one token shorter gets; generating after it is refused."""
+    window = [(7 * i) % 500 + 3 for i in range(CONTEXT)]
+    whole = client.completions.create(model=MODEL, prompt=window, max_tokens=0, logprobs=0, echo=True).choices[0]
+    shorter = client.completions.create(model=MODEL, prompt=window[:-1], max_tokens=0, logprobs=0,
+                                        echo=True).choices[0]
+    assert len(whole.logprobs.token_logprobs) == CONTEXT and whole.logprobs.token_logprobs[0] is None
+    assert whole.logprobs.token_logprobs[:-1] == shorter.logprobs.token_logprobs
+    for body in (dict(max_tokens=1, logprobs=0, echo=True), dict(max_tokens=0, echo=True), dict(max_tokens=None)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=window, **body)
+        assert err.value.body["code"] == "context_length_exceeded"
+
+
 def test_raw_sse_format(server):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
