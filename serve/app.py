@@ -74,6 +74,7 @@ from .template_sandbox import TemplateFailure, TemplateSandbox, TemplateTimeout
 log = logging.getLogger("specdeploy.serve")
 
 THREAD_PARSE_BYTES = 64 << 10  # larger bodies are parsed off the event loop
+START_MARGIN_S = 0.5  # past the queue's time limit, for a request of several generations (Server._start)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
 
@@ -381,7 +382,9 @@ class Server:
         for start in starts:  # those not awaited here raise again where the run is read (AsyncRequest.batches)
             start.add_done_callback(_retrieve)
         limit = self.service.pool.queue_timeout if len(runs) > 1 else None  # one run: the pool's own wait
-        waiting = asyncio.wait(starts, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        # a worker handed over at once still reaches this loop through a thread: a moment's margin past the limit
+        waiting = asyncio.wait(starts, timeout=None if limit is None else limit + START_MARGIN_S,
+                               return_when=asyncio.FIRST_COMPLETED)
         try:
             done, _ = await _unless_disconnected(request, waiting, runs)
         except _ClientGone:
