@@ -227,8 +227,8 @@ class Server:
 
         if isinstance(prompt, str) or isinstance(prompt, list) and ids(prompt):  # one prompt ([]: empty, refused)
             prompt = [prompt]
-        if not isinstance(prompt, list) or not all(isinstance(p, str) or isinstance(p, list) and ids(p)
-                                                   for p in prompt):
+        elif not isinstance(prompt, list) or not all(isinstance(p, str) or isinstance(p, list) and ids(p)
+                                                     for p in prompt):
             raise bad_request("'prompt' must be a string, a list of token ids, or a list of either",
                               "prompt", "invalid_type")
         vocab = self.service.meta.manifest.models["target"].vocab_size
@@ -334,8 +334,9 @@ class Server:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 cleanup = _Cleanup(runs, deadline, admitted)
                 admitted = None  # the stream owns it now
-                return StreamingResponse(self.stream(request, runs, plan, shapes, include_usage, arrived, deadline,
-                                                     cleanup),
+                prompt_tokens = plan.prompt_tokens(options) if include_usage else 0
+                return StreamingResponse(self.stream(request, runs, plan, shapes, prompt_tokens, include_usage,
+                                                     arrived, deadline, cleanup),
                                          media_type="text/event-stream", background=BackgroundTask(cleanup),
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             try:
@@ -417,7 +418,8 @@ class Server:
         return internal(f"internal error while generating (request id {request_id}; details in the server log)")
 
     async def stream(self, request: Request, runs: list[AsyncRequest], plan: Plan, shapes: list[Shape],
-                     include_usage: bool, arrived: float, deadline: _Deadline, cleanup: "_Cleanup"):
+                     prompt_tokens: int, include_usage: bool, arrived: float, deadline: _Deadline,
+                     cleanup: "_Cleanup"):
         reqs, first, ended = [run.request for run in runs], True, False
         # the choices each generation shows (all of its prompt's where one greedy generation answers n)
         shows = {k: plan.shown_by(k) for k in range(len(runs))}
@@ -449,7 +451,6 @@ class Server:
                             first = False
                         yield "".join(pieces)
                 if include_usage:
-                    prompt_tokens = sum(len(reqs[plan.run_of(p, 0)].prompt_ids) for p in range(plan.prompts))
                     yield shape.usage_chunk(usage(prompt_tokens, plan.completion_tokens(reqs)), combined_stats(reqs))
             except Exception as exc:  # headers are gone: report in-band, as OpenAI does, then end as usual
                 error = self.failure(request, exc)
@@ -528,8 +529,7 @@ def _retrieve(future: asyncio.Future) -> None:
 def _release_after(work: asyncio.Future, admitted: Admitted) -> None:
     """Done callback of an overrun's work: frees its admission and takes its outcome (nobody awaits it)."""
     admitted.release()
-    if not work.cancelled():
-        work.exception()
+    _retrieve(work)
 
 
 async def _unless_disconnected(request: Request, awaitable, runs: list[AsyncRequest]):

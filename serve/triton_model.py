@@ -174,12 +174,11 @@ class TritonPythonModel:
                             req.cancel()
                             break
                     new = [event.token_id] if event.token_id >= 0 else []  # -1: the text held to the end
+                    own = [event.logprob] if wants and new else []
                     ids += new
-                    if wants:
-                        logprobs += [event.logprob] if new else []
+                    logprobs += own
                     if stream:
-                        sender.send(_response(event.text, new, logprobs=logprobs[-len(new):] if wants and new
-                                              else [] if wants else None))
+                        sender.send(_response(event.text, new, logprobs=own if wants else None))
                 text = "" if stream else req.text
                 shown = None if not wants else [] if stream else logprobs
                 sender.send(_response(text, [] if stream else ids, req.finish_reason, public_stats(req.stats),
