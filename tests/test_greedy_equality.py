@@ -151,6 +151,27 @@ def test_stop_strings_cut_text(micro):
     assert streamed == full[: full.index(stop)]
 
 
+def test_stop_strings_hold_back_only_what_could_begin_one(micro):
+    """Streaming with stop strings delays only text that could still become one: a stop string that cannot
+    be forming leaves each event with its own token's text, a partial match holds back just its characters."""
+    from specdeploy.runtime.generate import Generation
+
+    ids = micro.tokenizer.encode(PROMPTS[3])
+
+    def events(stop):
+        return [e.text for e in Generation(micro, ids, method="ar", max_new_tokens=40, ignore_eos=True, stop=stop)]
+
+    plain = events(None)
+    assert events(["\x00" * 200, "\x01"]) == plain  # no text can begin either
+    full = "".join(plain)
+    piece = full.strip()[3:6]
+    assert len(piece) == 3 and piece in full
+    held = events([piece + "\x00"])  # its first characters match where piece occurs, the whole never does
+    assert "".join(held) == full and held != plain
+    for i in range(len(plain)):  # after each event, at most the partial match (under 4 characters) waits
+        assert len("".join(held[: i + 1])) >= len("".join(plain[: i + 1])) - 3
+
+
 def test_streamed_text_equals_full_decode(micro):
     """The incremental detokenizer's deltas add up to decoding every new token at once."""
     from specdeploy.runtime.generate import Generation
@@ -188,6 +209,9 @@ def odd_models(micro_family, tmp_path_factory) -> dict:
             "original_max_position_embeddings": 64, "rope_scaling": {
                 "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                 "long_factor": [2.0 + 1.5 * i for i in range(8)]}}),
+        # transformers rescales every position of a call reaching past 96 (dynamic NTK)
+        "dynamic": make_random_model("llama", root / "dynamic", tok, seed=7, overrides={
+            "max_position_embeddings": 96, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     }
 
 
@@ -212,6 +236,9 @@ def test_a_head_size_the_fused_graphs_cannot_take_exports_portable_graphs(odd_mo
                       "--max-new-tokens", "16", "--ignore-eos", "--json")
         assert gen.returncode == 0, gen.stderr
         assert json.loads(gen.stdout.splitlines()[-1])["token_ids"] == hf_greedy(model, ids, 16), method
+    # its batched graph is a fused one too: serving batched says so (it advised re-adding a graph it cannot build)
+    serve = run_cli("serve", out, "--batch", "2", "--port", "0")
+    assert serve.returncode == 2 and "has no fused target graphs" in serve.stderr and "without --batch" in serve.stderr
     # quantized weights rewrite fused graphs: refused before anything is written
     proc = run_cli("export", "--target", model, "--out", tmp_path / "q", "--weights", "int8")
     assert proc.returncode == 2 and "head_dim 24" in proc.stderr and "Traceback" not in proc.stderr
@@ -243,6 +270,24 @@ def test_a_model_shorter_than_the_default_context_exports_at_its_own(odd_models,
     ours = generate(export, ids, method="prompt-lookup", max_new_tokens=200, ignore_eos=True)
     assert ours.finish_reason == "length" and len(ids) + len(ours.token_ids) <= 96
     assert ours.token_ids[:24] == hf_greedy(model, ids, 24)
+
+
+def test_dynamic_rope_at_its_whole_context_matches_hf_batched_too(odd_models, tmp_path):
+    """The batched graph's RoPE table reaches a scratch row past the context: built in one call, transformers'
+    dynamic NTK rescaled every position of it, and the export failed its own check (2.8e-1 > 4.9e-4)."""
+    from specdeploy.export.exporter import export_all
+    from specdeploy.runtime.service import Service
+
+    model = odd_models["dynamic"]
+    out = export_all(model, tmp_path / "dynamic", draft=model, progress=lambda msg: None)  # checked, or it raises
+    ids = list(range(5, 25))
+    svc = Service.load(out, batch=2)
+    try:
+        for method in ("ar", "draft"):
+            got = svc.generate(prompt_ids=ids, method=method, temperature=0, max_new_tokens=30, ignore_eos=True)
+            assert got.token_ids == hf_greedy(model, ids, 30), method
+    finally:
+        svc.close()
 
 
 def test_longrope_exports_within_its_window_and_matches_hf(odd_models, tmp_path):
