@@ -31,7 +31,7 @@ class DecoderGraph(torch.nn.Module):
         geometry = KVGeometry.from_config(causal_lm.config)
         self.num_heads, self.num_kv_heads, self.head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         self.extra_feature_layers = tuple(extra_feature_layers)
-        short_factors(causal_lm.model.rotary_emb)
+        original_frequencies(causal_lm.model.rotary_emb)
 
     def _attention(self, layer, x, cos, sin, past_k, past_v, tree_mask):
         attn = layer.self_attn
@@ -89,9 +89,23 @@ def rotate(rotary_emb, h, position_ids):
     return rotary_emb(h, position_ids)
 
 
-def short_factors(rotary_emb) -> None:
-    """Set a longrope module's frequencies to its short factors (outside any trace): a call past its
-    window (the fused RoPE table's last rows) leaves the long ones in it."""
-    if longrope_window(rotary_emb.config) is not None and hasattr(rotary_emb, "original_inv_freq"):
-        with torch.no_grad():
-            rotary_emb.inv_freq.copy_(rotary_emb.original_inv_freq)
+def frequency_window(rotary_emb) -> int | None:
+    """The length past which the model's rotary module rotates every position of a call differently:
+    a longrope module's switch to its long factors (hf_loading.longrope_window), a dynamic-NTK module's
+    rescaling (transformers rescales once a call reaches past `original_max_seq_len`, the config's
+    max_position_embeddings). A RoPE table built in calls within it holds the rotation each position
+    gets inside the context. None: the module's frequencies never change."""
+    window = longrope_window(rotary_emb.config)
+    if window is None and "dynamic" in str(getattr(rotary_emb, "rope_type", "")):
+        window = getattr(rotary_emb, "original_max_seq_len", None)
+    return window
+
+
+def original_frequencies(rotary_emb) -> None:
+    """Put back a rotary module's frequencies as within its window (outside any trace), as transformers'
+    own reset does: a call past it (the fused RoPE table's last rows, scratch positions past the
+    context) leaves longrope's long factors, or dynamic NTK's rescaled ones, in the module."""
+    if frequency_window(rotary_emb) is not None and hasattr(rotary_emb, "original_inv_freq"):
+        rotary_emb.register_buffer("inv_freq", rotary_emb.original_inv_freq, persistent=False)
+        if hasattr(rotary_emb, "original_max_seq_len") and hasattr(rotary_emb, "max_seq_len_cached"):
+            rotary_emb.max_seq_len_cached = rotary_emb.original_max_seq_len

@@ -55,6 +55,19 @@ def check_context(name: str, cfg: dict, max_context: int) -> None:
                               f"set max_context: {window} (or less) in a --config YAML")
 
 
+def check_tokenizer(target: Path, target_cfg: dict) -> None:
+    """The target's tokenizer as the runtime will load it: a corrupt tokenizer.json, or one with tokens the
+    model has no embedding rows for, is refused here, not published as a checked export that every
+    `generate` then refuses."""
+    from ..runtime.tokenizer import TextTokenizer
+
+    size, vocab = TextTokenizer(target).vocab_size, target_cfg.get("vocab_size")
+    if isinstance(vocab, int) and size > vocab:
+        raise SpecDeployError(f"vocabulary mismatch: {target}'s tokenizer has {size} tokens, its config.json "
+                              f"vocab_size is {vocab} (tokens added without new embedding rows: resize them, "
+                              f"model.resize_token_embeddings(len(tokenizer)), and save the model again)")
+
+
 def sliding_window(cfg: dict) -> int | None:
     """The window some layer attends within, as transformers reads config.json; None: every layer
     attends the whole context. Mistral's window holds for every layer; Qwen2's and Qwen3's only with
@@ -190,6 +203,7 @@ def export_all(target: Path, out: Path, draft: Path | None = None, dtype: str = 
     specials = special_tokens(Path(target), target_cfg)  # generation_config.json read before minutes of export
     if not (Path(target) / "tokenizer.json").is_file():
         raise SpecDeployError(f"{target} has no tokenizer.json (a fast tokenizer is required at run time)")
+    check_tokenizer(Path(target), target_cfg)
     for name, step in steps.items():  # heads checked against the target before anything is written
         methods[name] = step.check(target_cfg, methods[name], progress)
     inputs = {"--target": target, "--draft": draft, "--eagle": eagle, "--medusa": medusa, "--config": config,

@@ -73,8 +73,8 @@ from ..runtime.graph_contract import (
     past_of,
     present_name,
 )
-from .decoder_graph import short_factors
-from .hf_loading import fused_unsupported, longrope_window
+from .decoder_graph import frequency_window, original_frequencies
+from .hf_loading import fused_unsupported
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 BATCH_DIM = "batch"  # the batched graph's decode rows (build_fused_decoder(batched=True))
@@ -141,14 +141,15 @@ class GraphBuilder:
 
     def rope_tables(self, rotary_emb, hidden_size: int, head_dim: int, max_positions: int) -> tuple[str, str]:
         """cos/sin caches [positions, D/2] from the model's own rotary module (any rope_scaling)."""
-        # A longrope model's positions in calls within its window (export/hf_loading.py, longrope_window):
-        # one call over all of them would take the long factors, which transformers uses only past it.
-        step = longrope_window(rotary_emb.config) or max_positions
+        # Positions in calls within the module's frequency window (decoder_graph.frequency_window): one call
+        # over all of them would take longrope's long factors or dynamic NTK's rescaled frequencies, which
+        # transformers uses only past it (the batched graph's table reaches a scratch row past the context).
+        step = frequency_window(rotary_emb) or max_positions
         with torch.no_grad():
             parts = [rotary_emb(torch.zeros(1, 1, hidden_size), torch.arange(a, min(a + step, max_positions))[None])
                      for a in range(0, max_positions, step)]
         cos, sin = (torch.cat([p[i] for p in parts], dim=1) for i in (0, 1))
-        short_factors(rotary_emb)  # the calls past the window left the long factors in the module
+        original_frequencies(rotary_emb)  # a call past the window left other frequencies in the module
         half = head_dim // 2
         return (self.init("rope.cos", float32_array(cos[0, :, :half])),
                 self.init("rope.sin", float32_array(sin[0, :, :half])))

@@ -282,3 +282,23 @@ def test_a_model_dir_json_that_is_not_json_fails_the_export_at_once(micro_family
         proc = run_cli("export", "--target", target, "--draft", target, "--out", tmp_path / "out", timeout=60)
         assert_clean_error(proc, f"{name} is not valid JSON")
         assert proc.returncode == 2 and not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_the_runtime_would_refuse_fails_the_export_at_once(micro_family, tmp_path):
+    """A corrupt tokenizer.json, or one naming tokens past the model's embedding rows, was published as a
+    checked export that every `generate` then refused."""
+    target = tmp_path / "target"
+    shutil.copytree(micro_family / "target", target)
+    tokenizer = target / "tokenizer.json"
+    good = tokenizer.read_text()
+    tokenizer.write_text('{"model":')
+    proc = run_cli("export", "--target", target, "--out", tmp_path / "out", timeout=60)
+    assert_clean_error(proc, "tokenizer.json is corrupt")
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+    tokenizer.write_text(good)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["vocab_size"] = 64  # fewer embedding rows than the tokenizer's tokens
+    (target / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli("export", "--target", target, "--out", tmp_path / "out", timeout=60)
+    assert_clean_error(proc, "vocabulary mismatch", "vocab_size is 64", "resize_token_embeddings")
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()

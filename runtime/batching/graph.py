@@ -41,6 +41,7 @@ import numpy as np
 from ..backends.ort import open_session
 from ..errors import SpecDeployError
 from ..graph_contract import (
+    FUSED,
     HIDDEN,
     INPUT_IDS,
     LOGITS,
@@ -102,6 +103,10 @@ def batched_graph_path(manifest: Manifest) -> Path:
         raise SpecDeployError(f"{manifest.root} was exported with --exact-rows and has no batched graph (its decode "
                               "rows would run the one-row attention its batch-1 graphs pad away): serve it without "
                               "--batch, or export without --exact-rows")
+    if record is None and not manifest.decoder_graphs(TARGET, FUSED):
+        raise SpecDeployError(f"{manifest.root} has no fused target graphs (this model's ONNX Runtime CPU graphs "
+                              "could not be built: the export said why), and the batched graph is one of them: "
+                              "serve it without --batch")
     if record is None:
         raise SpecDeployError(f"{manifest.root} has no batched target graph (exported before continuous batching, "
                               "or with batched=False): re-export it, or add it with "

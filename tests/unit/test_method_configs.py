@@ -117,6 +117,21 @@ def test_prefill_chunk_must_be_below_the_context():
         ExportConfig(max_context=64, prefill_chunk=64)
 
 
+def test_a_context_set_alone_takes_a_prefill_chunk_that_fits(tmp_path):
+    """The export's advice for a draft's sliding window of 64 is `max_context: 64`; with the default chunk of 64
+    that config was refused next ("prefill_chunk 64 must be below max_context 64"). A chunk set too is kept."""
+    from specdeploy.runtime.config import load_export_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text("max_context: 64\n")
+    assert load_export_config(config)[0] == ExportConfig(max_context=64, prefill_chunk=32)
+    config.write_text("max_context: 1024\n")
+    assert load_export_config(config)[0].prefill_chunk == ExportConfig.prefill_chunk
+    config.write_text("max_context: 64\nprefill_chunk: 64\n")
+    with pytest.raises(SpecDeployError, match="prefill_chunk 64 must be below max_context 64"):
+        load_export_config(config)
+
+
 @pytest.mark.parametrize("params,words", [
     ({"window": 0}, "lookahead.window must be an integer >= 1"),
     ({"ngram": 1}, "lookahead.ngram must be an integer >= 2"),
