@@ -97,9 +97,10 @@ class AsyncRequest:
                 self.request.cancel()
 
     async def result(self):
+        """The whole generation, as `Request.result()` gives it (a GenerationResult), once it has ended."""
         async for _ in self:
             pass
-        return self.request
+        return self.request.result()  # read to its end: no step runs here
 
     def cancel(self) -> None:
         self.request.cancel()

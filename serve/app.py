@@ -289,7 +289,7 @@ class Server:
                               "context_length_exceeded")
         return dict(prompt_ids=prompt_ids, method=method, max_new_tokens=max_tokens,
                     temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.sampling_seed(),
                     min_p=body.min_p or 0.0,
                     stop=stop_strings(body.stop, self.limits.max_stop, self.limits.max_stop_chars),
                     ignore_eos=bool(body.ignore_eos), sampling=body.sampling, logprobs=body.alternatives(),

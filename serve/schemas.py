@@ -8,7 +8,10 @@ output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself re
 a model that does not reason). Accepted and ignored, as they change nothing in the text
 generated: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
 `safety_identifier`, `parallel_tool_calls` (moot without tools) and `prediction` (a hint
-that only speeds up a matching output). Extensions: `method`, `top_k`, `min_p`, `ignore_eos`, `sampling`,
+that only speeds up a matching output). Any other field is refused as OpenAI refuses it
+("Unrecognized request argument supplied"): a misspelt `max_token` or another server's
+extension (vLLM's `min_tokens`, `stop_token_ids`, `guided_json`) would otherwise change
+the answer without a word. Extensions: `method`, `top_k`, `min_p`, `ignore_eos`, `sampling`,
 `repetition_penalty` (HF's, as vLLM takes it); `frequency_penalty`, `presence_penalty` and
 `logit_bias` are OpenAI's (runtime/penalties.py).
 `logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
@@ -31,6 +34,10 @@ from ..runtime.penalties import MAX_BIASES, REPETITION
 from ..runtime.tokenizer import bad_char
 from .errors import ApiError, bad_request
 
+# OpenAI fields accepted and ignored (they change nothing in the text generated: module docstring)
+IGNORED = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                     "parallel_tool_calls", "prediction"})
+EXTENSIONS = ("method", "top_k", "min_p", "repetition_penalty", "ignore_eos", "sampling")  # besides OpenAI's
 MAX_JSON_DEPTH = 64  # a real request nests 5 deep; deeper only costs recursion (and a RecursionError)
 
 
@@ -52,7 +59,9 @@ class _Common(BaseModel):
     # Fields typed Any are checked by hand for a clear message; their OpenAPI schema says what is accepted.
     stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "null"},
                                                           {"type": "array", "items": {"type": "string"}}]})
-    seed: Optional[int] = Field(None, ge=0, lt=2**64)  # a Philox key (runtime/sampling.py)
+    # a Philox key (runtime/sampling.py): OpenAI's int64 range, a negative seed taken as its 64 bits
+    # (two's complement: -1 is 2**64 - 1), and up to 2**64 - 1, the seeds responses report (serve/choices.py)
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: Optional[dict] = None
@@ -69,6 +78,10 @@ class _Common(BaseModel):
     def unsupported(self) -> list[tuple[str, bool]]:
         """(field, is set to something this server cannot do)."""
         return []
+
+    def sampling_seed(self) -> int | None:
+        """The seed as the sampler keys on it: 64 bits, a negative one in two's complement."""
+        return None if self.seed is None else self.seed % 2**64
 
     def alternatives(self) -> int | None:
         """How many alternatives per token the response's logprobs list; None: no logprobs."""
@@ -132,6 +145,7 @@ class ChatRequest(_Common):
     audio: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
+    verbosity: Any = None  # how long a reasoning model's answer runs: this server has no such knob
 
     def alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -146,7 +160,8 @@ class ChatRequest(_Common):
                                         ("modalities", self.modalities not in (None, ["text"])),
                                         ("audio", self.audio is not None),
                                         ("web_search_options", self.web_search_options is not None),
-                                        ("reasoning_effort", self.reasoning_effort is not None)]
+                                        ("reasoning_effort", self.reasoning_effort is not None),
+                                        ("verbosity", self.verbosity not in (None, "medium"))]
 
 
 # What the OpenAPI document allows for the fields `unsupported()` refuses otherwise.
@@ -163,6 +178,7 @@ SERVED_VALUES = {
     "audio": _NULL,
     "web_search_options": _NULL,
     "reasoning_effort": _NULL,
+    "verbosity": {"anyOf": [{"const": "medium"}, _NULL]},
     "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, _NULL]},
 }
 
@@ -241,6 +257,10 @@ def validate(model_cls: type[_Common], data: Any) -> _Common:
         body = model_cls.model_validate(data)
     except ValidationError as exc:
         raise _api_error(exc.errors()[0]) from None
+    unknown = sorted(set(body.model_extra or {}) - IGNORED)
+    if unknown:  # OpenAI's own words for it
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]} (this server's own fields: "
+                          f"{', '.join(EXTENSIONS)})", unknown[0], "unrecognized_argument")
     for field, refused in body.unsupported():
         if refused:
             raise bad_request(f"'{field}' is not supported by this server (value {getattr(body, field)!r})",

@@ -408,6 +408,16 @@ def _completion(srv, **body) -> dict:
     return resp.json()
 
 
+def test_a_negative_seed_is_its_64_bits(server):
+    """OpenAI's seed is an int64: a negative one (some clients send -1) samples as its two's complement, the
+    seed the response reports, which replays it."""
+    common = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
+    negative = _completion(server, seed=-1, **common)
+    assert negative["specdeploy"]["seed"] == 2**64 - 1
+    assert _completion(server, seed=2**64 - 1, **common)["choices"][0]["text"] == negative["choices"][0]["text"]
+    assert _completion(server, seed=-(2**63), **common)["specdeploy"]["seed"] == 2**63
+
+
 @pytest.mark.parametrize("method", ["ar", "draft"])
 def test_n_sampled_choices_each_replay_their_own_seed(server, method):
     """Choice 0 is the request's answer for its seed, choice i the answer for candidate i's derived seed,
@@ -604,7 +614,9 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "stop": ["a"] * 40}, 400, "stop", "invalid_value"),
-    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed", "invalid_value"),  # past OpenAI's int64
+    ({"model": MODEL, "prompt": "x", "max_token": 8}, 400, "max_token", "unrecognized_argument"),  # a typo
+    ({"model": MODEL, "prompt": "x", "min_tokens": 8}, 400, "min_tokens", "unrecognized_argument"),  # vLLM's
     ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "sampling": "lucky"}, 400, "sampling", "invalid_value"),
     ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p", "invalid_value"),
@@ -655,6 +667,10 @@ BAD_CHAT = [
      400, "messages[0].content[0]", "unsupported_content"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      400, "tools", "unsupported_parameter"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "verbosity": "low"},
+     400, "verbosity", "unsupported_parameter"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}},
+     400, "guided_json", "unrecognized_argument"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      400, "max_completion_tokens", "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs",

@@ -13,6 +13,7 @@ from specdeploy.runtime import (
     AsyncRequest,
     BusyError,
     Generation,
+    GenerationResult,
     LoadedExport,
     SamplingParams,
     Service,
@@ -353,6 +354,13 @@ def test_async_request_starts_itself_and_start_is_idempotent(export_dir):
         return got, (await asyncio.wait_for(twice.result(), 30)).token_ids
 
     assert asyncio.run(main()) == (want, want)
+
+    async def whole():  # what the synchronous Request.result() gives, text and stats included
+        return await AsyncRequest(svc.request("Hello", max_new_tokens=4)).result()
+
+    got = asyncio.run(whole())
+    assert isinstance(got, GenerationResult) and got.token_ids == want and got.text == svc.generate(
+        "Hello", max_new_tokens=4).text and got.finish_reason == "length"
 
 
 def test_async_bridge(export_dir):
