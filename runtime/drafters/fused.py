@@ -31,8 +31,9 @@ head catches up on the skipped steps' features the next time it drafts.
 Lookahead's window (auxiliary rows after the tree, runtime/drafters/lookahead.py) rides in the
 merged step, its rows taken from the node budget (verify T stays `nodes` + 1); a step it sits
 out runs no window, and its window then refills from fresh outputs. Its trie holds only its
-pool's n-grams here: the host part copies. Timing decides only which drafts are tried, never
-which tokens are emitted.
+pool's n-grams here: the host part copies. Its drafts cost no model call, so a merged tree with
+lookahead is cut as a host part cuts its own (best_prefix), not at the merge's threshold.
+Timing decides only which drafts are tried, never which tokens are emitted.
 
 Which nodes go in is one rule for every pair (drafters/tree_budget.py): a node is worth the
 chance that the target's path runs through it, and goes in, best first, while that is at least
@@ -73,7 +74,7 @@ from .acceptance import DECAY, RankAcceptance
 from .base import BatchPrice, DecodeState, Drafter, Proposal
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupConfig
-from .step_costs import StepCosts
+from .step_costs import StepCosts, best_prefix
 from .tree_budget import PartProposal, merge, walked
 
 # The config key that sizes a part's proposal (candidate nodes), widened to the fused budget.
@@ -299,6 +300,11 @@ class FusedDrafter(Drafter):
         # 36 and lookahead+suffix 43 plain steps, 0.93x and 0.86x suffix alone)
         self.sizes_own_rows = config.lazy
         self.window = window  # the model part's auxiliary rows per step it drafts (lookahead's window)
+        # Lookahead drafts on the host, from its pool: only its rows cost, as a host part's do, so a merged tree
+        # is cut where its expected tokens per second is best (best_prefix), as suffix and prompt lookup cut
+        # their own, not at the merge's looser threshold, which prices a model part's drafts as paid for
+        # (lookahead+suffix verified 9% more rows than suffix alone for the same tokens: 0.95-0.97x its speed)
+        self.cut_like_host = isinstance(parts[0], LookaheadDrafter)
         self.learned = learned or Learned()
         self.name = config.method
 
@@ -468,7 +474,9 @@ class FusedDrafter(Drafter):
         # a copy left out is still measured on its whole proposal (update): the target's tokens are the same
         merged = merge([placed[0], PartProposal(Proposal.root_only(root))] if self._alone else placed, self.rates,
                        budget, self.row_threshold(), root)
-        proposal = with_aux(merged.proposal(), model_proposal)
+        aux = 0 if model_proposal.aux_tokens is None else len(model_proposal.aux_tokens)
+        drafts = best_prefix(merged.worth[1:], self.costs, 1 + aux) if self.cut_like_host else None
+        proposal = with_aux(merged.proposal(drafts), model_proposal)
         self._proposed_at = time.perf_counter()
         return proposal
 
