@@ -460,18 +460,23 @@ OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # Ctrl-Cs this process received (counted by _on_sigint): an interrupted import does not always carry its
 # KeyboardInterrupt (numpy's C module turns one into `PyCapsule_Import could not import module "datetime"`).
 _sigints = 0
+# Set once the command's work is done and main is returning: a Ctrl-C then is counted, not raised, since
+# a KeyboardInterrupt there would escape every handler (one landed inside the handler's own restore, in
+# signal.getsignal, and printed a traceback after the generation's output).
+_finishing = False
 
 
 def _on_sigint(signum, frame):
     """Python's default Ctrl-C handler (raise KeyboardInterrupt), counted."""
     global _sigints
     _sigints += 1
-    raise KeyboardInterrupt
+    if not _finishing:
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _sigints
-    _sigints = 0
+    global _sigints, _finishing
+    _sigints, _finishing = 0, False
     # Only where Python's default handler is set: not in a thread, nor where Ctrl-C is ignored (a shell's
     # background job) or handled by an embedding program.
     counting = (threading.current_thread() is threading.main_thread()
@@ -479,7 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     if counting:
         signal.signal(signal.SIGINT, _on_sigint)
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:
+            _finishing = True
+    except KeyboardInterrupt:  # landed as _main returned, past its own handlers
+        print("error: interrupted", file=sys.stderr)
+        return 130
     finally:
         if counting and signal.getsignal(signal.SIGINT) is _on_sigint:  # the server may have set its own
             signal.signal(signal.SIGINT, signal.default_int_handler)
