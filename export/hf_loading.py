@@ -86,7 +86,9 @@ def longrope_window(config) -> int | None:
     scaling = rope_scaling(config)
     if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
         return None
-    window = scaling.get("original_max_position_embeddings") or _field(config, "original_max_position_embeddings")
+    # transformers' rule: original_max_position_embeddings where the config has it, else max_position_embeddings
+    window = (scaling.get("original_max_position_embeddings") or _field(config, "original_max_position_embeddings")
+              or _field(config, "max_position_embeddings"))
     return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 

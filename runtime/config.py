@@ -128,8 +128,9 @@ def load_export_config(path: str | Path | None = None) -> tuple[ExportConfig, di
                 raise SpecDeployError(f"config {source}: methods.{method} must be a mapping")
             methods[method] = {**methods.get(method, {}), **params}
     context = export.get("max_context")
-    if "prefill_chunk" not in export and isinstance(context, int) and not isinstance(context, bool) and context >= 2:
+    if "prefill_chunk" not in export and isinstance(context, int) and not isinstance(context, bool) \
+            and 2 <= context <= ExportConfig.prefill_chunk:
         # the chunk is a default: a context set at or below it (a model's sliding window of 64, as the
         # export's own advice asks) takes a chunk that fits, as a context read from the model does
-        export["prefill_chunk"] = min(ExportConfig.prefill_chunk, context // 2)
+        export["prefill_chunk"] = context // 2
     return from_dict(ExportConfig, export, "export"), methods

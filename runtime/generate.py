@@ -343,8 +343,8 @@ class Generation:
         (a fixed stop-length buffer held every token's text back behind any stop string: a 200-character
         stop string turned a stream of 40 tokens into one chunk at its end)."""
         text, tail = self.text, len(self.text) - self._shown
-        return max((n for s in self.stop for n in range(min(len(s) - 1, tail), 0, -1) if text.endswith(s[:n])),
-                   default=0)
+        return max((next((n for n in range(min(len(s) - 1, tail), 0, -1) if text.endswith(s[:n])), 0)
+                    for s in self.stop), default=0)
 
     def _flush(self) -> TokenEvent | None:
         if self.finish_reason != "stop" or self.new_ids[-1:] and self.new_ids[-1] in self.eos:

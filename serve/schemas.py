@@ -6,12 +6,13 @@ non-default value rather than silently ignored (`unsupported()`): what changes t
 does not have here (tools and the legacy functions/function_call, response_format, audio
 output: modalities/audio, web_search_options, reasoning_effort: OpenAI itself refuses it for
 a model that does not reason). Accepted and ignored, as they change nothing in the text
-generated: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`, `parallel_tool_calls` (moot without tools) and `prediction` (a hint
-that only speeds up a matching output). Any other field is refused as OpenAI refuses it
-("Unrecognized request argument supplied"): a misspelt `max_token` or another server's
-extension (vLLM's `min_tokens`, `stop_token_ids`, `guided_json`) would otherwise change
-the answer without a word. Extensions: `method`, `top_k`, `min_p`, `ignore_eos`, `sampling`,
+generated: `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`, `prompt_cache_options`,
+`prompt_cache_retention`, `safety_identifier`, `parallel_tool_calls` (moot without tools) and
+`prediction` (a hint that only speeds up a matching output); each is still type-checked. Any other
+field is refused as OpenAI refuses it ("Unrecognized request argument supplied"), in the body and
+in `stream_options`: a misspelt `max_token` or another server's extension (vLLM's `min_tokens`,
+`stop_token_ids`, `guided_json`) would otherwise change the answer without a word; the OpenAPI
+document says so (`additionalProperties: false`). Extensions: `method`, `top_k`, `min_p`, `ignore_eos`, `sampling`,
 `repetition_penalty` (HF's, as vLLM takes it); `frequency_penalty`, `presence_penalty` and
 `logit_bias` are OpenAI's (runtime/penalties.py).
 `logprobs` (completions: alternatives per token; chat: with `top_logprobs`) is served: the
@@ -23,6 +24,7 @@ completions' `best_of` and their list of prompts (serve/choices.py).
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from typing import Any, Literal, Optional
@@ -34,20 +36,18 @@ from ..runtime.penalties import MAX_BIASES, REPETITION
 from ..runtime.tokenizer import bad_char
 from .errors import ApiError, bad_request
 
-# OpenAI fields accepted and ignored (they change nothing in the text generated: module docstring)
-IGNORED = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                     "parallel_tool_calls", "prediction"})
 EXTENSIONS = ("method", "top_k", "min_p", "repetition_penalty", "ignore_eos", "sampling")  # besides OpenAI's
 MAX_JSON_DEPTH = 64  # a real request nests 5 deep; deeper only costs recursion (and a RecursionError)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: Optional[bool] = None
+    include_obfuscation: Optional[bool] = None  # random padding of stream events against side channels: ignored
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=0)  # 0: only with a completion's echo and logprobs (scoring)
@@ -66,6 +66,16 @@ class _Common(BaseModel):
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: Optional[dict] = None
     user: Optional[str] = None
+    # OpenAI's, accepted and ignored: they change nothing in the text generated (module docstring)
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_options: Optional[dict] = None
+    prompt_cache_retention: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    prediction: Optional[dict] = None
     # specdeploy extensions (the openai client sends them with extra_body=...)
     method: Optional[str] = None
     top_k: Optional[int] = Field(None, ge=0)
@@ -146,6 +156,7 @@ class ChatRequest(_Common):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None  # how long a reasoning model's answer runs: this server has no such knob
+    moderation: Any = None  # moderating the input and output: this server runs none
 
     def alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -161,7 +172,8 @@ class ChatRequest(_Common):
                                         ("audio", self.audio is not None),
                                         ("web_search_options", self.web_search_options is not None),
                                         ("reasoning_effort", self.reasoning_effort is not None),
-                                        ("verbosity", self.verbosity not in (None, "medium"))]
+                                        ("verbosity", self.verbosity not in (None, "medium")),
+                                        ("moderation", self.moderation is not None)]
 
 
 # What the OpenAPI document allows for the fields `unsupported()` refuses otherwise.
@@ -179,6 +191,7 @@ SERVED_VALUES = {
     "web_search_options": _NULL,
     "reasoning_effort": _NULL,
     "verbosity": {"anyOf": [{"const": "medium"}, _NULL]},
+    "moderation": _NULL,
     "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, _NULL]},
 }
 
@@ -256,11 +269,7 @@ def validate(model_cls: type[_Common], data: Any) -> _Common:
     try:
         body = model_cls.model_validate(data)
     except ValidationError as exc:
-        raise _api_error(exc.errors()[0]) from None
-    unknown = sorted(set(body.model_extra or {}) - IGNORED)
-    if unknown:  # OpenAI's own words for it
-        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]} (this server's own fields: "
-                          f"{', '.join(EXTENSIONS)})", unknown[0], "unrecognized_argument")
+        raise _api_error(exc.errors()[0], model_cls) from None
     for field, refused in body.unsupported():
         if refused:
             raise bad_request(f"'{field}' is not supported by this server (value {getattr(body, field)!r})",
@@ -290,7 +299,7 @@ def token_biases(bias: dict | None, vocab: int) -> dict[int, float]:
 
 
 def stop_strings(stop: Any, max_count: int, max_chars: int) -> list[str]:
-    """The request's stop strings, within the server's limits (a long one holds back that much streamed text)."""
+    """The request's stop strings, within the server's limits (streamed text that could begin one waits)."""
     if stop is None:
         return []
     if isinstance(stop, str):
@@ -305,9 +314,16 @@ def stop_strings(stop: Any, max_count: int, max_chars: int) -> list[str]:
     return [s for s in stop if s]
 
 
-def _api_error(err: dict) -> ApiError:
+def _api_error(err: dict, model_cls: type[BaseModel]) -> ApiError:
     param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(err["loc"]))
     kind = err["type"]
+    if kind == "extra_forbidden":  # OpenAI's own words for it, and what was probably meant
+        nested = len(err["loc"]) > 1 and err["loc"][0] == "stream_options"
+        name, known = str(err["loc"][-1]), list((StreamOptions if nested else model_cls).model_fields)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return bad_request(f"Unrecognized request argument supplied: {param} ({hint}this server's own fields: "
+                           f"{', '.join(EXTENSIONS)})", param, "unrecognized_argument")
     if kind == "missing":
         return bad_request(f"missing required parameter: '{param}'", param, "missing_required_parameter")
     got = err.get("input")

@@ -152,3 +152,36 @@ def test_a_long_prompt_is_prefilled_in_calls_past_the_largest_graph(micro_export
     target.reset()
     assert target.prefill(ids, limit, all_logits=True).logits.shape == (len(ids) - (len(ids) // chunk) * chunk,
                                                                         export.manifest.models["target"].vocab_size)
+
+
+def test_rope_tables_are_built_within_the_rotary_modules_frequency_window():
+    """transformers switches a longrope module to its long factors, and rescales a dynamic-NTK one, once a call
+    reaches past the window (longrope without original_max_position_embeddings: max_position_embeddings): the
+    batched graph's table, one scratch row longer than the context, took the other frequencies at every row."""
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specdeploy.export.decoder_graph import frequency_window
+    from specdeploy.export.fused_graph import GraphBuilder
+
+    class Tables:
+        def init(self, name, array):
+            return np.array(array)
+
+    short = [1.0 + 0.1 * i for i in range(8)]
+    longrope = {"rope_type": "longrope", "factor": 2.0, "short_factor": short, "long_factor": [2 * f for f in short]}
+    for scaling in (longrope,
+                    {"rope_type": "dynamic", "factor": 2.0}):
+        cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                          num_hidden_layers=1, vocab_size=100, max_position_embeddings=96, rope_scaling=scaling)
+        assert frequency_window(LlamaRotaryEmbedding(cfg)) == 96
+        with torch.no_grad():  # transformers' own rotation of the context's positions, in one call within it
+            want = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 1, 64), torch.arange(96)[None])[0][0, :, :8].numpy()
+        module = LlamaRotaryEmbedding(cfg)
+        cos, _ = GraphBuilder.rope_tables(Tables(), module, 64, 16, 97)  # the context and one scratch row
+        assert np.array_equal(cos[:96], want), scaling["rope_type"]
+        with torch.no_grad():  # and the module is left as within its window
+            assert torch.equal(module(torch.zeros(1, 1, 64), torch.arange(96)[None])[0][0, :, :8],
+                               torch.from_numpy(want))

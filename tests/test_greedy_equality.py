@@ -153,7 +153,8 @@ def test_stop_strings_cut_text(micro):
 
 def test_stop_strings_hold_back_only_what_could_begin_one(micro):
     """Streaming with stop strings delays only text that could still become one: a stop string that cannot
-    be forming leaves each event with its own token's text, a partial match holds back just its characters."""
+    be forming leaves each event with its own token's text, and a partial match holds back exactly its
+    characters (the longest of several stops' partial matches, a self-overlapping stop's included)."""
     from specdeploy.runtime.generate import Generation
 
     ids = micro.tokenizer.encode(PROMPTS[3])
@@ -161,15 +162,28 @@ def test_stop_strings_hold_back_only_what_could_begin_one(micro):
     def events(stop):
         return [e.text for e in Generation(micro, ids, method="ar", max_new_tokens=40, ignore_eos=True, stop=stop)]
 
+    def expected(stops):
+        """Each event's text when the shown text stops short of its longest suffix that begins a stop."""
+        out, text, shown = [], "", 0
+        for i, delta in enumerate(plain):
+            text += delta
+            held = max(max((n for n in range(1, len(s)) if text[shown:].endswith(s[:n])), default=0) for s in stops)
+            end = len(text) if i == len(plain) - 1 else len(text) - held  # the last event shows everything
+            out.append(text[shown:end])
+            shown = end
+        return out
+
     plain = events(None)
     assert events(["\x00" * 200, "\x01"]) == plain  # no text can begin either
     full = "".join(plain)
     piece = full.strip()[3:6]
     assert len(piece) == 3 and piece in full
-    held = events([piece + "\x00"])  # its first characters match where piece occurs, the whole never does
-    assert "".join(held) == full and held != plain
-    for i in range(len(plain)):  # after each event, at most the partial match (under 4 characters) waits
-        assert len("".join(held[: i + 1])) >= len("".join(plain[: i + 1])) - 3
+    for stops in ([piece + "\x00"],  # its first characters match where piece occurs, the whole never does
+                  [piece[:2] + "\x00", piece + "\x01"],  # two stops, partial matches of different lengths
+                  [piece + piece[0] + piece + "\x00"]):  # a stop that overlaps itself
+        held = events(stops)
+        assert held == expected(stops) and "".join(held) == full, stops
+        assert held != plain  # something was held back, and shown with a later token
 
 
 def test_streamed_text_equals_full_decode(micro):
@@ -275,11 +289,18 @@ def test_a_model_shorter_than_the_default_context_exports_at_its_own(odd_models,
 def test_dynamic_rope_at_its_whole_context_matches_hf_batched_too(odd_models, tmp_path):
     """The batched graph's RoPE table reaches a scratch row past the context: built in one call, transformers'
     dynamic NTK rescaled every position of it, and the export failed its own check (2.8e-1 > 4.9e-4)."""
-    from specdeploy.export.exporter import export_all
+    import json
+
+    from conftest import run_cli
+
     from specdeploy.runtime.service import Service
 
-    model = odd_models["dynamic"]
-    out = export_all(model, tmp_path / "dynamic", draft=model, progress=lambda msg: None)  # checked, or it raises
+    model, out = odd_models["dynamic"], tmp_path / "dynamic"
+    proc = run_cli("export", "--target", model, "--draft", model, "--out", out)  # with its accuracy check
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["check"] == "passed" and manifest["max_context"] == 96  # the model's whole context
+    assert any(g.get("flavor") == "fused_batched" for g in manifest["graphs"].values())
     ids = list(range(5, 25))
     svc = Service.load(out, batch=2)
     try:

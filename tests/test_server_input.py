@@ -113,3 +113,46 @@ def test_a_fault_of_ours_is_one_json_500_one_traceback_and_logged_as_500(app, ca
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert len(tracebacks) == 1 and request_id in tracebacks[0].getMessage()
     assert any(f"request {request_id}: GET /v1/boom -> 500" in r.getMessage() for r in caplog.records)
+
+
+def test_fields_the_server_does_not_know_are_refused_in_openais_words(app):
+    """An unknown field was ignored: a misspelt `max_token` generated to the context end, vLLM's `min_tokens`
+    changed nothing unseen. OpenAI's fields that change nothing in the text are accepted, still type-checked;
+    the OpenAPI document says no other field is."""
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 2}
+    err = _error(call(app, "POST", "/v1/completions", {**body, "max_token": 8}), 400, "max_token",
+                 "unrecognized_argument")
+    assert err["message"].startswith("Unrecognized request argument supplied: max_token") \
+        and "did you mean 'max_tokens'?" in err["message"]
+    _error(call(app, "POST", "/v1/chat/completions", _chat(min_tokens=4)), 400, "min_tokens", "unrecognized_argument")
+    _error(call(app, "POST", "/v1/completions", {**body, "stream": True,
+                                                 "stream_options": {"continuous_usage_stats": True}}),
+           400, "stream_options.continuous_usage_stats", "unrecognized_argument")
+    _error(call(app, "POST", "/v1/chat/completions", _chat(moderation={"model": "x"})), 400, "moderation",
+           "unsupported_parameter")
+    ignored = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
+               "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"}, "safety_identifier": "s",
+               "parallel_tool_calls": True, "prediction": {"type": "content", "content": "hi"}, "user": "u"}
+    assert call(app, "POST", "/v1/chat/completions", _chat(**ignored)).status_code == 200
+    assert call(app, "POST", "/v1/completions", {**body, "stream_options": {"include_obfuscation": False},
+                                                 "stream": True}).status_code == 200
+    _error(call(app, "POST", "/v1/completions", {**body, "metadata": 5}), 400, "metadata", "invalid_type")
+    schema = call(app, "GET", "/openapi.json").json()["components"]["schemas"]
+    assert schema["ChatRequest"]["additionalProperties"] is False
+    assert schema["CompletionRequest"]["additionalProperties"] is False
+
+
+def test_every_field_of_the_openai_clients_create_is_known(app):
+    """The official client's parameters are each served, accepted and ignored, or refused by name as unsupported:
+    never "unrecognized" (its prompt_cache_retention was, while its sibling prompt_cache_key was accepted)."""
+    import inspect
+
+    from openai.resources.chat.completions import Completions as ChatCompletions
+    from openai.resources.completions import Completions
+
+    from specdeploy.serve.schemas import ChatRequest, CompletionRequest
+
+    for create, request in ((ChatCompletions.create, ChatRequest), (Completions.create, CompletionRequest)):
+        sent = set(inspect.signature(create).parameters) - {"self", "extra_headers", "extra_query", "extra_body",
+                                                              "timeout"}
+        assert sent <= set(request.model_fields), sorted(sent - set(request.model_fields))

@@ -104,9 +104,10 @@ def batched_graph_path(manifest: Manifest) -> Path:
                               "rows would run the one-row attention its batch-1 graphs pad away): serve it without "
                               "--batch, or export without --exact-rows")
     if record is None and not manifest.decoder_graphs(TARGET, FUSED):
-        raise SpecDeployError(f"{manifest.root} has no fused target graphs (this model's ONNX Runtime CPU graphs "
-                              "could not be built: the export said why), and the batched graph is one of them: "
-                              "serve it without --batch")
+        raise SpecDeployError(f"{manifest.root} has no fused target graphs, and the batched graph is one of them "
+                              "(exported with --no-fused, or this model's ONNX Runtime CPU graphs could not be "
+                              "built: the export said which): serve it without --batch, or re-export it without "
+                              "--no-fused where that was the cause")
     if record is None:
         raise SpecDeployError(f"{manifest.root} has no batched target graph (exported before continuous batching, "
                               "or with batched=False): re-export it, or add it with "

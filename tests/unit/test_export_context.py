@@ -55,3 +55,16 @@ def test_longrope_bounds_the_context_at_its_window():
     assert context_limit(inside)[0] == 2048  # the rope_scaling spelling of the window
     assert context_limit({"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) \
         == (8192, "max_position_embeddings")
+
+
+
+def test_a_longrope_window_without_its_original_length_is_the_models_context():
+    """transformers switches to the long factors past max_position_embeddings when the config names no
+    original_max_position_embeddings: that is the window the fused RoPE tables are built within."""
+    from specdeploy.export.hf_loading import longrope_window
+
+    cfg = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+           "max_position_embeddings": 96}
+    assert longrope_window(cfg) == 96
+    assert longrope_window({**cfg, "original_max_position_embeddings": 64}) == 64
+    assert longrope_window({"max_position_embeddings": 96}) is None  # no longrope: no window
