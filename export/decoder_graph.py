@@ -106,6 +106,8 @@ def original_frequencies(rotary_emb) -> None:
     own reset does: a call past it (the fused RoPE table's last rows, scratch positions past the
     context) leaves longrope's long factors, or dynamic NTK's rescaled ones, in the module."""
     if frequency_window(rotary_emb) is not None and hasattr(rotary_emb, "original_inv_freq"):
-        rotary_emb.register_buffer("inv_freq", rotary_emb.original_inv_freq, persistent=False)
+        # a copy: transformers 5 switches longrope's factors by copying into inv_freq in place, which would
+        # overwrite the original frequencies were inv_freq that very tensor
+        rotary_emb.register_buffer("inv_freq", rotary_emb.original_inv_freq.clone(), persistent=False)
         if hasattr(rotary_emb, "original_max_seq_len") and hasattr(rotary_emb, "max_seq_len_cached"):
             rotary_emb.max_seq_len_cached = rotary_emb.original_max_seq_len

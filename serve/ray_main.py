@@ -87,7 +87,10 @@ def run_ray(args, limits, api_key: str | None, origins: list[str]) -> int:
         ray.init(address=address, log_to_driver=False)
     else:
         os.environ[PROXY_CALLBACK_ENV] = FAILOVER  # the nodes we start pass it on to Ray Serve's proxies
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # "local": a cluster of our own. Without an address Ray joins the machine's latest live cluster (another
+        # user's or a test's), deploys into its Serve instance (whose HTTP port ignores ours) and, on stop,
+        # serve.shutdown() would have shut that instance down.
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -19,6 +19,22 @@ except ImportError:  # imported outside Triton: nothing to run
     pb_utils = None
 
 
+# A BLS call's error response arrives with code INTERNAL whatever code the model sent (Triton 2.x's Python
+# backend), so a bad request answered 500; asked with this request parameter, the stream model writes its
+# code before the message ("[INVALID_ARG] ..."), and it is taken back out here.
+CODES_PARAMETER = "specdeploy_error_codes"
+
+
+def _with_its_code(error):
+    """The stream model's error as it sent it: its code (INVALID_ARG, UNAVAILABLE, INTERNAL) and message."""
+    message = error.message()
+    name, _, rest = message[1:].partition("] ") if message.startswith("[") else ("", "", message)
+    code = getattr(pb_utils.TritonError, name, None) if name.isupper() else None
+    if code is None:  # Triton's own error (the stream model gone, say): ours, as Triton reports it
+        code, rest = (error.code() if hasattr(error, "code") else None), message
+    return pb_utils.TritonError(rest) if code is None else pb_utils.TritonError(rest, code)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -32,15 +48,12 @@ class TritonPythonModel:
         # New tensors from the values: a request's own BYTES tensors do not survive being passed on as is.
         inputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in request.inputs() if t.name() != "stream"]
         inputs.append(pb_utils.Tensor("stream", np.array([False])))
-        call = pb_utils.InferenceRequest(model_name=self.target, requested_output_names=self.outputs, inputs=inputs)
+        call = pb_utils.InferenceRequest(model_name=self.target, requested_output_names=self.outputs, inputs=inputs,
+                                         parameters={CODES_PARAMETER: True})
         answer = None
         for response in call.exec(decoupled=True):  # ends after the final response
             if response.has_error():
-                error = response.error()
-                code = error.code() if hasattr(error, "code") else None  # keep INVALID_ARG, UNAVAILABLE...
-                triton_error = (pb_utils.TritonError(error.message()) if code is None
-                                else pb_utils.TritonError(error.message(), code))
-                return pb_utils.InferenceResponse(error=triton_error)
+                return pb_utils.InferenceResponse(error=_with_its_code(response.error()))
             if response.output_tensors():
                 answer = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
         return answer or pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.target} gave no response"))

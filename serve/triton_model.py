@@ -111,10 +111,21 @@ def _response(text: str, ids: list[int], finish_reason: str | None = None, stats
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _error(message: str, code_name: str):
+def _error(message: str, code_name: str, tagged: bool = False):
+    """An error response; `tagged` (a request from the plain model, triton_front.py): the code's name leads
+    the message too, since Triton's BLS call hands that model every error as INTERNAL."""
     code = getattr(pb_utils.TritonError, code_name, None)
+    message = f"[{code_name}] {message}" if tagged else message
     error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
     return pb_utils.InferenceResponse(error=error)
+
+
+def _tagged(request) -> bool:
+    """Whether the request came from the plain model asking for its errors' codes (triton_front.CODES_PARAMETER)."""
+    try:
+        return bool(json.loads(request.parameters() or "{}").get("specdeploy_error_codes"))
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def public_stats(stats: dict) -> dict:
@@ -145,21 +156,22 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            sender, tagged = request.get_response_sender(), _tagged(request)
             try:
                 options, stream = request_options(request)
                 req = self.service.request(**options, request_id=request.request_id() or None)
             except (BadInput, self.SpecDeployError, ValueError, OverflowError) as exc:
-                sender.send(_error(str(exc), "INVALID_ARG"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+                sender.send(_error(str(exc), "INVALID_ARG", tagged), flags=final)
                 continue
-            thread = threading.Thread(target=self._run, args=(req, sender, stream), daemon=True,
+            thread = threading.Thread(target=self._run, args=(req, sender, stream, tagged), daemon=True,
                                       name=f"specdeploy-{req.id[:8]}")
             with self._lock:
                 self._running.add((req, thread))
             thread.start()
         # Decoupled: nothing to return, the responses go out through each request's sender.
 
-    def _run(self, req, sender, stream: bool) -> None:
+    def _run(self, req, sender, stream: bool, tagged: bool = False) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         checked = time.monotonic()
         wants = req.top_logprobs is not None  # return_log_probs
@@ -184,9 +196,9 @@ class TritonPythonModel:
                 sender.send(_response(text, [] if stream else ids, req.finish_reason, public_stats(req.stats),
                                       shown, float(sum(logprobs)) if wants else None), flags=final)
         except self.BusyError as exc:
-            _send_quietly(sender, _error(str(exc), "UNAVAILABLE"), final)
+            _send_quietly(sender, _error(str(exc), "UNAVAILABLE", tagged), final)
         except Exception as exc:
-            _send_quietly(sender, _error(f"generation failed: {exc}", "INTERNAL"), final)
+            _send_quietly(sender, _error(f"generation failed: {exc}", "INTERNAL", tagged), final)
         finally:
             with self._lock:
                 self._running = {item for item in self._running if item[0] is not req}

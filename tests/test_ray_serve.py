@@ -203,6 +203,34 @@ def test_health_checks_and_per_replica_metrics(micro_app, cluster):
     assert len(wait_for(replicas_exported, 60, "both replicas' request counts in Ray's metrics", every=2)) == 2
 
 
+def test_without_ray_address_it_starts_a_cluster_of_its_own(micro_app, micro_export, tmp_path):
+    """Without RAY_ADDRESS, `serve --ray` joined the machine's latest live cluster (this module's): it deployed
+    into that cluster's Serve instance, whose proxy ignored its port, and on SIGINT shut that instance down."""
+    log_path, port = tmp_path / "own.log", free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specdeploy.cli", "serve", str(micro_export), "--ray",
+                                 "--replicas", "1", "--replica-cpus", "0.5", "--port", str(port),
+                                 "--model-name", "own", "--log-level", "warning"], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_for(lambda: proc.poll() is not None or "serving 'own'" in log_path.read_text(), 240,
+                     "specdeploy serve --ray starting")
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert "cluster started here" in log_path.read_text()
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # its own port
+            assert "own" not in serve.status().applications  # not deployed into this module's cluster
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    # this module's Serve instance is still up and answering
+    assert httpx.get(f"{micro_app}/health", timeout=30).status_code == 200
+
+
 # -- /: `specdeploy serve --ray`, a replica killed under load, graceful shutdown ---------------
 
 def test_cli_replicas_answer_like_the_runtime(cli_server, long_export):

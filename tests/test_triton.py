@@ -225,8 +225,13 @@ def test_penalties_and_log_probs_are_the_runtimes(triton, expected):
     (dict(repetition_penalty=0.0), "repetition_penalty must be"),
 ])
 def test_bad_inputs_get_a_clear_error(triton, bad, message):
-    with pytest.raises(InferenceServerException, match=message):
+    # a user's error, as Triton says it (HTTP 400, gRPC INVALID_ARGUMENT): through the plain model it was a 500
+    with pytest.raises(InferenceServerException, match=message) as http_error:
         thttp.InferenceServerClient(triton["http"]).infer("micro", inputs(thttp, **bad))
+    assert str(http_error.value.status()) == "400" and not http_error.value.message().startswith("[")
+    with pytest.raises(InferenceServerException, match=message) as grpc_error:
+        tgrpc.InferenceServerClient(triton["grpc"]).infer("micro", inputs(tgrpc, **bad))
+    assert grpc_error.value.status() == "StatusCode.INVALID_ARGUMENT"
     events: queue.Queue = queue.Queue()
     c = tgrpc.InferenceServerClient(triton["grpc"])
     c.start_stream(callback=lambda result, error: events.put((result, error)))
