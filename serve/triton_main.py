@@ -5,6 +5,7 @@ With --no-launch it only writes the repository (for a stock tritonserver, e.g. N
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import tempfile
@@ -14,13 +15,28 @@ from ..runtime.errors import SpecDeployError
 
 
 def run_triton(args) -> int:
-    from .main import is_loopback
+    from .main import API_KEY_ENV, is_loopback
     from .triton_repo import write_repo
 
     if getattr(args, "ray", False):
         raise SpecDeployError("give --ray or --triton-repo, not both")
     if args.api_key:
         raise SpecDeployError("Triton has no API key: keep it on loopback or put an authenticating proxy in front")
+    # options of the HTTP server this mode does not run: refused, not ignored (a key in the environment
+    # would leave the user believing the ports were guarded)
+    ignored = [flag for flag, given in (("--batch", getattr(args, "batch", None) is not None),
+                                        ("--replicas", getattr(args, "replicas", None) is not None),
+                                        ("--autoscale", bool(getattr(args, "autoscale", None))))
+               if given]
+    if ignored:
+        raise SpecDeployError(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not served under "
+                              "--triton-repo (Triton runs the instances: --triton-instances, --pool-size)")
+    if os.environ.get(API_KEY_ENV):
+        print(f"warning: {API_KEY_ENV} is set, but Triton has no API key: its ports answer without one",
+              file=sys.stderr, flush=True)
+    for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port), ("--metrics-port", args.metrics_port)):
+        if not 0 < port <= 65535:
+            raise SpecDeployError(f"{flag} must be in [1, 65535], got {port}")
     repo = write_repo(args.out, args.triton_repo, name=args.model_name, instances=args.triton_instances,
                       pool_size=args.pool_size, queue_size=args.queue, queue_timeout=args.queue_timeout,
                       method=args.method, backend=args.backend, threads=args.threads,

@@ -250,3 +250,19 @@ def test_a_full_disk_is_one_clear_error_not_an_internal_one(micro_export):
         assert proc.stderr.strip().splitlines()[-1] == "error: could not write the output: No space left on device", \
             proc.stderr
         assert "internal error" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
+def test_triton_mode_refuses_the_http_servers_options_rather_than_ignoring_them(micro_export, tmp_path):
+    """--batch, --replicas and a bad port were accepted and ignored under --triton-repo; a SPECDEPLOY_API_KEY in
+    the environment was ignored without a word, leaving the ports open to a user who believed them guarded."""
+    repo = tmp_path / "repo"
+    for flags, words in ((["--batch", "2"], "--batch is not served under --triton-repo"),
+                         (["--replicas", "2"], "--replicas is not served under --triton-repo"),
+                         (["--port", "70000"], "--port must be in [1, 65535], got 70000")):
+        proc = run_cli("serve", micro_export, "--triton-repo", repo, "--no-launch", *flags)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {words}"), proc.stderr
+        assert not repo.exists()
+    proc = run_cli("serve", micro_export, "--triton-repo", repo, "--no-launch", env={"SPECDEPLOY_API_KEY": "k"})
+    assert proc.returncode == 0 and "SPECDEPLOY_API_KEY is set, but Triton has no API key" in proc.stderr
+    assert (repo / micro_export.name / "config.pbtxt").exists()
