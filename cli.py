@@ -292,11 +292,18 @@ def cmd_tune_tree(args) -> int:
     else:  # held-out stdlib functions: text the family never trained on
         from .train.corpus import heldout_prompts
 
-        texts = heldout_prompts(args.num_prompts, seed=1)
+        try:
+            texts = heldout_prompts(args.num_prompts, seed=1)
+        except ValueError as exc:  # more than the held-out files hold
+            raise SpecDeployError(f"--num-prompts {args.num_prompts}: {exc}; give fewer, or your own with "
+                                  "--prompts FILE") from None
     result = tune(export, args.method, [export.tokenizer.encode(t) for t in texts], args.max_new_tokens,
                   args.max_nodes, progress=lambda m: print(m, file=sys.stderr, flush=True))
     write_tree(out, args.method, result)
-    print(f"wrote {out}: {len(result['paths'])} nodes (use it with `specdeploy export ... --tree {out}`)")
+    use = (f"specdeploy export ... --medusa DIR --tree {out}" if args.method == "medusa" else
+           f"specdeploy export ... --eagle DIR --config C.yaml, C.yaml holding: methods: {{eagle: {{mode: eagle1, "
+           f"tree: {out}}}}}")  # --tree chooses Medusa's tree; EAGLE-2 grows its own: EAGLE-1 takes a static one
+    print(f"wrote {out}: {len(result['paths'])} nodes (use it with `{use}`)")
     return 0
 
 
@@ -338,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft-weights", choices=weight_choices, help="the draft model's weights (default: --weights)")
     e.add_argument("--heads-weights", choices=weight_choices,
                    help="the EAGLE head's weights (default: --weights; Medusa heads stay float)")
-    e.add_argument("--block-size", type=int, help="input rows per quantization scale: a power of two >= 16 "
+    e.add_argument("--block-size", type=int, help="input rows per quantization scale: 16, 32, 64, 128 or 256 "
                    "(default 32)")
     e.add_argument("--lm-head-bits", type=int, choices=[4, 8],
                    help="bits of each quantized model's LM head (and of a tied embedding, which reads it); default 8: "

@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..runtime.atomic_write import replace_text
 from ..runtime.errors import SpecDeployError
 
 
@@ -107,10 +108,10 @@ def cmd_bench(args) -> int:
     plot_path = report.plot(result, args.plot) if args.plot else None
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        replace_text(args.json, json.dumps(result, indent=1) + "\n")  # whole or not at all: a rerun reads it
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(report.benchmarks_md(result, plot_path, args.markdown))
+        replace_text(args.markdown, report.benchmarks_md(result, plot_path, args.markdown))
     sys.stdout.write(report.markdown_table(result))
     limit = result["limit"]
     if limit.get("ceiling_tokens_per_s"):

@@ -54,14 +54,15 @@ def quant_plan(args, progress):
     if heads is not None and getattr(args, "eagle", None) is None:
         raise SpecDeployError("--heads-weights applies to an EAGLE head (--eagle DIR); Medusa heads stay float32")
     lm_head_bits = getattr(args, "lm_head_bits", None)
+    block_size = getattr(args, "block_size", None)
     if all(c in (None, "float") for c in (weights, draft, heads)):
-        if lm_head_bits is not None:
-            raise SpecDeployError("--lm-head-bits applies to quantized weights: add --weights int4 or int8")
-        if getattr(args, "block_size", None) is None:
-            return None  # nothing to quantize: the quantizer (onnx, ~2 s to import) is not needed
+        for flag, value in (("--lm-head-bits", lm_head_bits), ("--block-size", block_size)):
+            if value is not None:
+                raise SpecDeployError(f"{flag} applies to quantized weights: add --weights int4 or int8")
+        return None  # nothing to quantize: the quantizer (onnx, ~2 s to import) is not needed
     from .quantize import DEFAULT_BLOCK_SIZE, LM_HEAD_BITS, QuantPlan
 
-    plan = QuantPlan.from_choices(getattr(args, "block_size", None) or DEFAULT_BLOCK_SIZE,
+    plan = QuantPlan.from_choices(DEFAULT_BLOCK_SIZE if block_size is None else block_size,
                                   lm_head_bits=lm_head_bits or LM_HEAD_BITS, target=weights,
                                   draft=(draft or weights) if args.draft is not None else None,
                                   eagle=(heads or weights) if getattr(args, "eagle", None) is not None else None)

@@ -76,6 +76,12 @@ class MedusaHeadsExporter(MethodExport):
     def check(self, target_cfg: dict, config: MedusaConfig, progress) -> MedusaConfig:
         progress(f"loading Medusa heads from {self.heads_dir}")
         self.heads = load_heads(self.heads_dir, target_cfg["hidden_size"], target_cfg["vocab_size"])
+        vocab = self.heads.vocab_size
+        choices = min(config.draft_vocab, vocab) if config.draft_vocab else vocab
+        if config.top_k > choices:  # a tree's rank past the tokens a head chooses among (an internal error later)
+            raise SpecDeployError(f"medusa tree {config.tree_paths.name!r} needs top-{config.top_k} candidates per "
+                                  f"head, but its heads choose among {choices} tokens: use a tree whose ranks "
+                                  f"are below {choices}")
         if config.heads <= self.heads.num_heads:
             return config
         # Use the heads there are when the tree allows it (config says "at most").

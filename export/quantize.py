@@ -99,10 +99,14 @@ class WeightScheme:
                 "symmetric": self.symmetric, "accuracy_level": self.accuracy_level, "embedding": embedding}
 
 
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # what ONNX Runtime's CPU MatMulNBits kernels (MLAS) take
+
+
 def check_block_size(block_size: int) -> int:
-    """MatMulNBits and GatherBlockQuantized take a power of two, at least 16."""
-    if block_size < 16 or block_size & (block_size - 1):
-        raise SpecDeployError(f"--block-size must be a power of two, at least 16 (got {block_size})")
+    """MatMulNBits and GatherBlockQuantized take a power of two, at least 16; MLAS's CPU kernels at most 256
+    (512 exported every graph, then failed in the quantizer as an internal error)."""
+    if block_size not in BLOCK_SIZES:
+        raise SpecDeployError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {block_size})")
     return block_size
 
 

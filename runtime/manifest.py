@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import manifest_fields as fields
+from .atomic_write import replace_text
 from .containment import inside
 from .errors import SpecDeployError
 from .graph_contract import DECODER, FUSED_BATCHED, PORTABLE, TARGET, GraphRecord, ModelRecord
@@ -100,12 +101,7 @@ class Manifest:
 
 def _write_json(path: Path, data: dict) -> None:
     """Through a temp file and a rename: a reader sees the old manifest or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_text(path, json.dumps(data, indent=2))
 
 
 def write_manifest(out: Path, *, dtype: str, max_context: int, prefill_chunk: int, models: dict[str, ModelRecord],

@@ -307,12 +307,24 @@ def check_tree_out(path) -> None:
         if not (isinstance(doc, dict) and doc.get("source") == TREE_SOURCE):
             raise SpecDeployError(f"--out {path} exists and is not a tree written by `specdeploy tune-tree`; "
                                   "refusing to overwrite it: choose another file")
+    # the file is written beside itself and renamed (atomic_write): its folder, the nearest that exists, must
+    # take a new file, or the calibration's minutes end in "Read-only file system"
+    import os
+
+    folder = path.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SpecDeployError(f"--out {path}: cannot write in {folder} (read-only, or no permission): choose "
+                              "another file")
 
 
 def write_tree(path, method: str, result: dict) -> None:
     """A tree file `--tree FILE` (and configs/trees/) accepts, with the calibration that chose it."""
     import json
     from pathlib import Path
+
+    from .atomic_write import replace_text
 
     path = Path(path)
     check_tree_out(path)
@@ -321,6 +333,7 @@ def write_tree(path, method: str, result: dict) -> None:
     paths = ",\n".join("  " + json.dumps(p) for p in result["paths"])  # one path per line: readable diffs
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(head)[:-1] + f', "paths": [\n{paths}\n]}}\n')
+        # whole or not at all: a failed write truncated an earlier tree, and left a file the rerun refused
+        replace_text(path, json.dumps(head)[:-1] + f', "paths": [\n{paths}\n]}}\n')
     except OSError as exc:
         raise SpecDeployError(f"cannot write {path}: {exc.strerror or exc}") from None

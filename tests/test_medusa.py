@@ -406,3 +406,31 @@ def test_tune_tree_cli_writes_a_usable_tree(medusa_exports, exports, tmp_path):
                        "--out", tmp_path / "bad.json")
         assert proc.returncode == 2 and f"{flag} must be at least 1" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and not (tmp_path / "bad.json").exists()
+    # more held-out prompts than there are: one line, not an internal error
+    proc = run_cli("tune-tree", medusa_exports["trained"], "--method", "medusa", "--num-prompts", "100000",
+                   "--out", tmp_path / "bad.json")
+    assert proc.returncode == 2 and "--num-prompts 100000: " in proc.stderr and "--prompts FILE" in proc.stderr
+    # a folder that takes no new file is refused before the calibration's minutes, not after them
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        import os
+
+        if not os.access(locked, os.W_OK):  # root writes anywhere but on a read-only filesystem
+            proc = run_cli("tune-tree", medusa_exports["trained"], "--method", "medusa", "--out", locked / "t.json")
+            assert proc.returncode == 2 and "cannot write in" in proc.stderr, proc.stderr
+    finally:
+        locked.chmod(0o700)
+    # written whole or not at all: the tree is replaced by a rename, with no temp file left beside it
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".tuned")) == []
+
+
+def test_a_tree_ranking_past_the_heads_vocabulary_is_refused_at_export(micro_with_heads, tmp_path):
+    """Rank 700 among 512 tokens exported every graph, then failed as an internal error (top-k out of range)."""
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"paths": [[0], [700]]}))
+    proc = run_cli("export", "--target", micro_with_heads / "target", "--medusa", micro_with_heads / "medusa",
+                   "--tree", tree, "--out", tmp_path / "out", "--no-check")
+    assert proc.returncode == 2 and "needs top-701 candidates per head, but its heads choose among" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -493,7 +493,10 @@ def test_cli_refuses_what_it_cannot_quantize(micro_family, tmp_path, capsys):
 
     target, draft = micro_family / "target", micro_family / "draft"
     cases = [
-        (["--weights", "int4", "--block-size", "24"], "power of two"),
+        (["--weights", "int4", "--block-size", "24"], "--block-size must be one of 16, 32, 64, 128, 256 (got 24)"),
+        (["--weights", "int4", "--block-size", "512"], "--block-size must be one of"),  # past MLAS's kernels
+        (["--weights", "int8", "--block-size", "0"], "--block-size must be one of"),  # was taken as the default
+        (["--block-size", "64"], "--block-size applies to quantized weights"),  # was ignored on a float export
         (["--weights", "int4", "--dtype", "float16"], "need --dtype float32"),
         (["--weights", "int4", "--no-fused"], "need --dtype float32 and no --no-fused"),
         (["--draft-weights", "int4"], "--draft-weights needs --draft"),
