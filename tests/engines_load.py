@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from load_test import percentile  # noqa: E402
-from serve_util import REPO, free_port  # noqa: E402
+from serve_util import REPO, free_port, interrupt  # noqa: E402
 
 PROMPT = "def main():"
 
@@ -52,12 +51,7 @@ def start(cmd: list[str], python: str = sys.executable, env: dict | None = None)
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    interrupt(proc, 90)
 
 
 def openai_call(url: str, model: str):

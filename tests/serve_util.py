@@ -18,6 +18,17 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+def interrupt(proc: subprocess.Popen, grace: float) -> None:
+    """SIGINT (a server's graceful shutdown) to a process still running, then SIGKILL after `grace` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,13 +72,7 @@ class ServerProcess:
         return self.log_path.read_text()[-5000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        interrupt(self.proc, 10)  # uvicorn's graceful shutdown
         self._log.close()
 
     def __enter__(self) -> "ServerProcess":

@@ -37,7 +37,7 @@ ray = pytest.importorskip("ray", reason="the Ray Serve tests need the ray extra:
 serve = pytest.importorskip("ray.serve")
 
 from conftest import REPO  # noqa: E402 (after importorskip: skip the module before importing)
-from serve_util import free_port  # noqa: E402
+from serve_util import free_port, interrupt  # noqa: E402
 
 LONG_CONTEXT = 4096
 PROMPTS = ["def main():", "import numpy as np\n", "class Node:\n    def __init__(self"]
@@ -125,13 +125,7 @@ def cli_server(cluster, long_export, tmp_path_factory):
         assert proc.poll() is None, log_path.read_text()[-3000:]
         yield Namespace(proc=proc, url=cluster.url, log=log_path)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        interrupt(proc, 60)
         log.close()
 
 
@@ -221,12 +215,7 @@ def test_without_ray_address_it_starts_a_cluster_of_its_own(micro_app, micro_exp
             assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # its own port
             assert "own" not in serve.status().applications  # not deployed into this module's cluster
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            interrupt(proc, 90)
     # this module's Serve instance is still up and answering
     assert httpx.get(f"{micro_app}/health", timeout=30).status_code == 200
 
