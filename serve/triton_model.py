@@ -122,8 +122,10 @@ def _error(message: str, code_name: str, tagged: bool = False):
 
 def _tagged(request) -> bool:
     """Whether the request came from the plain model asking for its errors' codes (triton_front.CODES_PARAMETER)."""
+    from specdeploy.serve.triton_front import CODES_PARAMETER  # this file runs as Triton's copy: no relative import
+
     try:
-        return bool(json.loads(request.parameters() or "{}").get("specdeploy_error_codes"))
+        return bool(json.loads(request.parameters() or "{}").get(CODES_PARAMETER))
     except (AttributeError, TypeError, ValueError):
         return False
 
